@@ -1,0 +1,1 @@
+//! Emulated devices: legacy (serial, i8042) and virtio-mmio (block, net, vsock).
