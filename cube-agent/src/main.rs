@@ -1,0 +1,118 @@
+//! `cube-agent`: PID 1 and the envd protocol server inside every sandbox.
+
+use anyhow::Context;
+use clap::{Parser, ValueEnum};
+use cube_agent::{config::Config, init, reaper, server, state::AgentState, users, version};
+use std::path::PathBuf;
+
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+enum InitMode {
+    /// Do PID-1 duties only when running as PID 1.
+    Auto,
+    Always,
+    Never,
+}
+
+#[derive(Parser, Debug)]
+#[command(name = "cube-agent", version = version::ENVD_VERSION, about = "Cube in-sandbox agent (envd protocol)")]
+struct Cli {
+    /// Address to serve the envd protocol on.
+    #[arg(long, env = "CUBE_AGENT_ADDR", default_value = "0.0.0.0:49983")]
+    addr: String,
+    /// Whether to act as init (mounts, hostname, network, reaping).
+    #[arg(long, env = "CUBE_AGENT_INIT", value_enum, default_value = "auto")]
+    init: InitMode,
+    /// TOML config file; a missing file means defaults.
+    #[arg(
+        long,
+        env = "CUBE_AGENT_CONFIG",
+        default_value = "/etc/cube-agent.toml"
+    )]
+    config: PathBuf,
+    /// User for requests that name none (default: `user` if it exists, else the agent's own).
+    #[arg(long, env = "CUBE_AGENT_DEFAULT_USER")]
+    default_user: Option<String>,
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .with_max_level(
+            std::env::var("CUBE_AGENT_LOG")
+                .ok()
+                .and_then(|l| l.parse::<tracing::Level>().ok())
+                .unwrap_or(tracing::Level::INFO),
+        )
+        .init();
+    let cli = Cli::parse();
+    // SAFETY: getpid cannot fail.
+    let is_pid1 = unsafe { libc::getpid() } == 1;
+    let is_init = match cli.init {
+        InitMode::Auto => is_pid1,
+        InitMode::Always => true,
+        InitMode::Never => false,
+    };
+    loop {
+        match run(&cli, is_init) {
+            Ok(()) => return,
+            Err(e) if is_init => {
+                // PID 1 must never exit (the kernel would panic): log and retry.
+                tracing::error!("agent failed: {e:#}; retrying in 1 s");
+                std::thread::sleep(std::time::Duration::from_secs(1));
+            }
+            Err(e) => {
+                eprintln!("cube-agent: {e:#}");
+                std::process::exit(1);
+            }
+        }
+    }
+}
+
+fn run(cli: &Cli, is_init: bool) -> anyhow::Result<()> {
+    let cfg = match Config::load(&cli.config) {
+        Ok(c) => c,
+        Err(e) if is_init => {
+            tracing::error!("{e}; using defaults");
+            Config::default()
+        }
+        Err(e) => return Err(e).context("loading config"),
+    };
+    if is_init {
+        init::run(&cfg);
+    }
+    let default_user = match &cli.default_user {
+        Some(u) => {
+            if users::lookup(u).is_none() {
+                tracing::warn!("default user {u:?} does not exist (yet)");
+            }
+            u.clone()
+        }
+        None if users::lookup("user").is_some() => "user".into(),
+        None => users::current().name,
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .max_blocking_threads(64)
+        .thread_keep_alive(std::time::Duration::from_secs(10))
+        .build()
+        .context("building the runtime")?;
+    rt.block_on(async {
+        // The reaper must exist before the first child is spawned.
+        tokio::spawn(reaper::run());
+        let listener = tokio::net::TcpListener::bind(&cli.addr)
+            .await
+            .with_context(|| format!("binding {}", cli.addr))?;
+        let local = listener.local_addr().context("local address")?;
+        tracing::info!(
+            addr = %local,
+            version = version::ENVD_VERSION,
+            init = is_init,
+            default_user = %default_user,
+            "cube-agent serving envd"
+        );
+        let state = AgentState::new(default_user, is_init);
+        server::serve(listener, state).await;
+        Ok::<(), anyhow::Error>(())
+    })
+}
