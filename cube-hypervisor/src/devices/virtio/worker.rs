@@ -1,0 +1,151 @@
+//! Optional backend thread: polls a device's backend fds and moves input into the guest, so a
+//! VMM without its own event loop gets rx traffic. `pause()` quiesces it for snapshots.
+
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use super::{MmioTransport, VirtioDevice};
+
+/// Poll period: also bounds how long the worker takes to notice that a vsock host stream has
+/// room again or a new connection fd appeared.
+const TICK: Duration = Duration::from_millis(10);
+
+#[derive(Default)]
+struct Ctl {
+    paused: bool,
+    parked: bool,
+    stop: bool,
+}
+
+/// A thread calling [`MmioTransport::process_backend`] whenever the device's backend has input.
+pub struct BackendWorker {
+    ctl: Arc<(Mutex<Ctl>, Condvar)>,
+    wake: Arc<EventFd>,
+    handle: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for BackendWorker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BackendWorker").finish_non_exhaustive()
+    }
+}
+
+fn lock(ctl: &Mutex<Ctl>) -> std::sync::MutexGuard<'_, Ctl> {
+    ctl.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl BackendWorker {
+    /// Starts the worker for `transport` (running, not paused).
+    pub fn spawn<D: VirtioDevice>(transport: Arc<Mutex<MmioTransport<D>>>) -> io::Result<Self> {
+        let ctl = Arc::new((Mutex::new(Ctl::default()), Condvar::new()));
+        let wake = Arc::new(EventFd::new(EFD_NONBLOCK)?);
+        let (c, w) = (ctl.clone(), wake.clone());
+        let handle = std::thread::Builder::new()
+            .name("virtio-backend".into())
+            .spawn(move || run(transport, c, w))?;
+        Ok(BackendWorker {
+            ctl,
+            wake,
+            handle: Some(handle),
+        })
+    }
+
+    /// Stops touching the device; returns once the worker is parked.
+    pub fn pause(&self) {
+        let (m, cv) = &*self.ctl;
+        let mut g = lock(m);
+        g.paused = true;
+        let _ = self.wake.write(1);
+        while !g.parked && !g.stop {
+            g = cv.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// Lets a paused worker continue.
+    pub fn resume(&self) {
+        let (m, cv) = &*self.ctl;
+        lock(m).paused = false;
+        cv.notify_all();
+    }
+
+    /// Stops and joins the thread.
+    pub fn stop(mut self) {
+        self.shutdown();
+    }
+
+    fn shutdown(&mut self) {
+        {
+            let (m, cv) = &*self.ctl;
+            lock(m).stop = true;
+            cv.notify_all();
+        }
+        let _ = self.wake.write(1);
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Drop for BackendWorker {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn run<D: VirtioDevice>(
+    transport: Arc<Mutex<MmioTransport<D>>>,
+    ctl: Arc<(Mutex<Ctl>, Condvar)>,
+    wake: Arc<EventFd>,
+) {
+    loop {
+        {
+            let (m, cv) = &*ctl;
+            let mut g = lock(m);
+            while g.paused && !g.stop {
+                g.parked = true;
+                cv.notify_all();
+                g = cv.wait(g).unwrap_or_else(|e| e.into_inner());
+            }
+            g.parked = false;
+            if g.stop {
+                return;
+            }
+        }
+        let fds: Vec<RawFd> = {
+            let t = transport.lock().unwrap_or_else(|e| e.into_inner());
+            t.backend_fds()
+        };
+        let mut pfds: Vec<libc::pollfd> = fds
+            .iter()
+            .chain(std::iter::once(&wake.as_raw_fd()))
+            .map(|&fd| libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            })
+            .collect();
+        // SAFETY: pfds is a valid array of pollfd of the given length for the whole call.
+        let _ = unsafe {
+            libc::poll(
+                pfds.as_mut_ptr(),
+                pfds.len() as libc::nfds_t,
+                TICK.as_millis() as i32,
+            )
+        };
+        let _ = wake.read();
+        let paused_or_stopped = {
+            let g = lock(&ctl.0);
+            g.paused || g.stop
+        };
+        if paused_or_stopped {
+            continue;
+        }
+        let mut t = transport.lock().unwrap_or_else(|e| e.into_inner());
+        t.process_backend();
+    }
+}
