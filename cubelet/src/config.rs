@@ -1,0 +1,203 @@
+//! cubelet's TOML configuration (`/etc/cube/cubelet.toml`). Every field has a default, so an
+//! empty file (or none) is a valid configuration.
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+pub const DEFAULT_PATH: &str = "/etc/cube/cubelet.toml";
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// Node id reported to the master; empty = the host name.
+    pub node_id: String,
+    /// gRPC listen address for the master.
+    pub grpc_addr: String,
+    /// HTTP listen address for `/metrics` and `/health`.
+    pub http_addr: String,
+    /// Data directory (templates, sandboxes, pools). Should be XFS with reflink.
+    pub data_dir: PathBuf,
+    /// Runtime state (network namespace files).
+    pub run_dir: PathBuf,
+    /// Cache of debootstrap roots, keyed by recipe hash.
+    pub cache_dir: PathBuf,
+    /// cube-agent binary copied into every template as /sbin/cube-agent.
+    pub agent_binary: PathBuf,
+    /// Runtime for new sandboxes. Only "namespace" exists so far.
+    pub runtime: String,
+    pub storage: StorageConfig,
+    pub sandbox: SandboxConfig,
+    pub cgroup: CgroupConfig,
+    pub pools: PoolConfig,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct StorageConfig {
+    /// When the data directory has no reflink: create and mount a loop XFS image there.
+    pub xfs_loop_image: Option<PathBuf>,
+    pub xfs_loop_size_gib: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SandboxConfig {
+    pub default_vcpus: u32,
+    pub default_memory_mib: u64,
+    pub max_vcpus: u32,
+    pub max_memory_mib: u64,
+    pub max_disk_mib: u64,
+    /// Most sandboxes on this node (0 = unlimited).
+    pub max_sandboxes: u32,
+    pub pids_max: u64,
+    pub agent_port: u16,
+    /// Extra arguments for cube-agent.
+    pub agent_args: Vec<String>,
+    pub ready_timeout_ms: u32,
+    pub seccomp: bool,
+    pub run_size_mib: u64,
+    pub tmp_size_mib: u64,
+    pub hostname: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CgroupConfig {
+    /// Mount point of the cgroup hierarchy (v2, or the directory holding v1 controllers).
+    pub root: PathBuf,
+    /// Parent cgroup of all sandboxes.
+    pub parent: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PoolConfig {
+    /// Pre-created network endpoints (veth + netns).
+    pub network: u32,
+    /// Pre-cloned disks per template in `started`/`disks`.
+    pub disks: u32,
+    /// Pre-started sandboxes waiting for /init, per template name.
+    pub started: BTreeMap<String, u32>,
+    /// Templates whose disks are pre-cloned (besides those in `started`).
+    pub disk_templates: Vec<String>,
+    /// How often the refiller checks levels, in milliseconds.
+    pub refill_interval_ms: u64,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            node_id: String::new(),
+            grpc_addr: "0.0.0.0:9091".into(),
+            http_addr: "127.0.0.1:9093".into(),
+            data_dir: "/var/lib/cube".into(),
+            run_dir: "/run/cube".into(),
+            cache_dir: "/var/cache/cube/templates".into(),
+            agent_binary: "/usr/lib/cube/cube-agent".into(),
+            runtime: "namespace".into(),
+            storage: StorageConfig::default(),
+            sandbox: SandboxConfig::default(),
+            cgroup: CgroupConfig::default(),
+            pools: PoolConfig::default(),
+        }
+    }
+}
+
+impl Default for StorageConfig {
+    fn default() -> Self {
+        StorageConfig {
+            xfs_loop_image: None,
+            xfs_loop_size_gib: 64,
+        }
+    }
+}
+
+impl Default for SandboxConfig {
+    fn default() -> Self {
+        SandboxConfig {
+            default_vcpus: 1,
+            default_memory_mib: 512,
+            max_vcpus: 16,
+            max_memory_mib: 16384,
+            max_disk_mib: 65536,
+            max_sandboxes: 0,
+            pids_max: 4096,
+            agent_port: 49983,
+            agent_args: vec![],
+            ready_timeout_ms: 10_000,
+            seccomp: true,
+            run_size_mib: 64,
+            tmp_size_mib: 512,
+            hostname: "sandbox".into(),
+        }
+    }
+}
+
+impl Default for CgroupConfig {
+    fn default() -> Self {
+        CgroupConfig {
+            root: "/sys/fs/cgroup".into(),
+            parent: "cube".into(),
+        }
+    }
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        PoolConfig {
+            network: 8,
+            disks: 4,
+            started: BTreeMap::new(),
+            disk_templates: vec![],
+            refill_interval_ms: 200,
+        }
+    }
+}
+
+impl Config {
+    /// Loads a config file. A missing file at the default path means all defaults; a missing
+    /// file given explicitly is an error.
+    pub fn load(path: Option<&Path>) -> anyhow::Result<Config> {
+        use anyhow::Context;
+        let (p, explicit) = match path {
+            Some(p) => (p.to_path_buf(), true),
+            None => (PathBuf::from(DEFAULT_PATH), false),
+        };
+        match std::fs::read_to_string(&p) {
+            Ok(s) => toml::from_str(&s).with_context(|| format!("parsing {}", p.display())),
+            Err(e) if !explicit && e.kind() == std::io::ErrorKind::NotFound => {
+                Ok(Config::default())
+            }
+            Err(e) => Err(e).with_context(|| format!("reading {}", p.display())),
+        }
+    }
+
+    /// The cgroup root to use: on hybrid hosts `/sys/fs/cgroup` holds v1 controllers.
+    pub fn node_id(&self) -> String {
+        if !self.node_id.is_empty() {
+            return self.node_id.clone();
+        }
+        std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|s| s.trim().to_string())
+            .unwrap_or_else(|_| "node".into())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_file_is_all_defaults_and_unknown_keys_fail() {
+        let c: Config = toml::from_str("").unwrap();
+        assert_eq!(c.grpc_addr, "0.0.0.0:9091");
+        assert_eq!(c.data_dir, PathBuf::from("/var/lib/cube"));
+        let c: Config =
+            toml::from_str("[pools]\nnetwork = 3\n[pools.started]\nbase = 2\n").unwrap();
+        assert_eq!(c.pools.network, 3);
+        assert_eq!(c.pools.started.get("base"), Some(&2));
+        assert!(toml::from_str::<Config>("bogus = 1").is_err());
+        assert!(Config::load(Some(Path::new("/nonexistent/cubelet.toml"))).is_err());
+    }
+}

@@ -1,0 +1,378 @@
+//! The `cube.node.v1.Node` gRPC service.
+
+use crate::network::Policy;
+use crate::node::{CreateRequest, Node, NodeError, Phase, SandboxState, Shape};
+use crate::template::{Manifest, Source};
+use cube_proto::nodev1 as pb;
+use std::sync::Arc;
+use tonic::{Request, Response, Status};
+
+impl From<NodeError> for Status {
+    fn from(e: NodeError) -> Status {
+        match e {
+            NodeError::InvalidArgument(m) => Status::invalid_argument(m),
+            NodeError::NotFound(m) => Status::not_found(m),
+            NodeError::AlreadyExists(m) => Status::already_exists(m),
+            NodeError::FailedPrecondition(m) => Status::failed_precondition(m),
+            NodeError::ResourceExhausted(m) => Status::resource_exhausted(m),
+            NodeError::DeadlineExceeded(m) => Status::deadline_exceeded(m),
+            NodeError::Internal(m) => Status::internal(m),
+        }
+    }
+}
+
+/// The service implementation.
+pub struct NodeService {
+    pub node: Arc<Node>,
+}
+
+// tonic's Status is the service's error type; boxing it here would only move the cost.
+#[allow(clippy::result_large_err)]
+fn policy_from(p: Option<pb::NetworkPolicy>) -> Result<Policy, Status> {
+    let Some(p) = p else {
+        return Ok(Policy {
+            internet: true,
+            ..Default::default()
+        });
+    };
+    for c in p.allow_cidrs.iter().chain(p.deny_cidrs.iter()) {
+        let ok = c.split_once('/').is_some_and(|(ip, len)| {
+            ip.parse::<std::net::IpAddr>().is_ok() && len.parse::<u8>().is_ok_and(|l| l <= 128)
+        });
+        if !ok {
+            return Err(Status::invalid_argument(format!(
+                "network policy: {c:?} is not a CIDR (a.b.c.d/len)"
+            )));
+        }
+    }
+    let mut ports = Vec::new();
+    for e in p.exposed_ports {
+        let port = u16::try_from(e.port)
+            .ok()
+            .filter(|p| *p != 0)
+            .ok_or_else(|| {
+                Status::invalid_argument(format!("network policy: port {} is out of range", e.port))
+            })?;
+        ports.push(port);
+    }
+    Ok(Policy {
+        internet: p.internet,
+        allow_cidrs: p.allow_cidrs,
+        deny_cidrs: p.deny_cidrs,
+        exposed_ports: ports,
+    })
+}
+
+fn policy_to(p: &Policy) -> pb::NetworkPolicy {
+    pb::NetworkPolicy {
+        internet: p.internet,
+        allow_cidrs: p.allow_cidrs.clone(),
+        deny_cidrs: p.deny_cidrs.clone(),
+        exposed_ports: p
+            .exposed_ports
+            .iter()
+            .map(|x| pb::ExposedPort {
+                port: u32::from(*x),
+            })
+            .collect(),
+    }
+}
+
+fn sandbox_to(node: &Node, s: &SandboxState) -> pb::Sandbox {
+    let state = match s.phase {
+        Phase::Creating | Phase::Pooled => pb::SandboxState::Creating,
+        Phase::Running => pb::SandboxState::Running,
+        Phase::Paused => pb::SandboxState::Paused,
+    };
+    pb::Sandbox {
+        sandbox_id: s.id.clone(),
+        template: s.template.clone(),
+        build: s.build.clone(),
+        state: state as i32,
+        runtime: crate::runtime::RUNTIME_NAME.into(),
+        shape: Some(pb::Shape {
+            vcpus: s.shape.vcpus,
+            memory_mib: s.shape.memory_mib,
+            disk_mib: s.shape.disk_mib,
+        }),
+        metadata: s.metadata.clone().into_iter().collect(),
+        agent_address: format!("{}:{}", node.identity.guest_ip, node.cfg.sandbox.agent_port),
+        host_interface: s
+            .endpoint
+            .as_ref()
+            .map(|e| e.host_if.clone())
+            .unwrap_or_default(),
+        created_at_ms: s.created_at_ms,
+        create_latency_us: s.create_latency_us,
+        from_pool: s.from_pool,
+        network: Some(policy_to(&s.policy)),
+    }
+}
+
+fn template_to(m: &Manifest, reused: bool) -> pb::Template {
+    pb::Template {
+        name: m.name.clone(),
+        build: m.build.clone(),
+        source: m.source.clone(),
+        rootfs_bytes: m.rootfs.bytes,
+        rootfs_sha256: m.rootfs.sha256.clone(),
+        created_at_ms: m.created_at_ms,
+        env: m.image.env.clone(),
+        cmd: m
+            .image
+            .entrypoint
+            .iter()
+            .chain(m.image.cmd.iter())
+            .cloned()
+            .collect(),
+        workdir: m.image.workdir.clone(),
+        user: m.image.user.clone(),
+        reused,
+    }
+}
+
+fn mem_total_mib() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse::<u64>().ok())
+        })
+        .map(|kb| kb / 1024)
+        .unwrap_or(0)
+}
+
+fn disk_free_mib(p: &std::path::Path) -> u64 {
+    let c = crate::storage::cstr(p);
+    // SAFETY: statvfs into a zeroed struct.
+    let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statvfs(c.as_ptr(), &mut s) } != 0 {
+        return 0;
+    }
+    (s.f_bavail as u64 * s.f_frsize as u64) >> 20
+}
+
+#[tonic::async_trait]
+impl pb::node_server::Node for NodeService {
+    async fn create_sandbox(
+        &self,
+        req: Request<pb::CreateSandboxRequest>,
+    ) -> Result<Response<pb::Sandbox>, Status> {
+        let r = req.into_inner();
+        let shape = r.shape.unwrap_or_default();
+        let cr = CreateRequest {
+            id: r.sandbox_id,
+            template: r.template,
+            build: r.build,
+            shape: Shape {
+                vcpus: shape.vcpus,
+                memory_mib: shape.memory_mib,
+                disk_mib: shape.disk_mib,
+            },
+            env_vars: r.env_vars.into_iter().collect(),
+            metadata: r.metadata.into_iter().collect(),
+            policy: policy_from(r.network)?,
+            access_token: r.access_token,
+            default_user: r.default_user,
+            default_workdir: r.default_workdir,
+            ready_timeout_ms: r.ready_timeout_ms,
+        };
+        let st = self.node.create(cr).await?;
+        Ok(Response::new(sandbox_to(&self.node, &st)))
+    }
+
+    async fn kill_sandbox(
+        &self,
+        req: Request<pb::SandboxRef>,
+    ) -> Result<Response<pb::KillSandboxResponse>, Status> {
+        let existed = self.node.kill(&req.into_inner().sandbox_id).await?;
+        Ok(Response::new(pb::KillSandboxResponse { existed }))
+    }
+
+    async fn pause_sandbox(
+        &self,
+        req: Request<pb::SandboxRef>,
+    ) -> Result<Response<pb::Sandbox>, Status> {
+        let st = self.node.pause(&req.into_inner().sandbox_id).await?;
+        Ok(Response::new(sandbox_to(&self.node, &st)))
+    }
+
+    async fn resume_sandbox(
+        &self,
+        req: Request<pb::SandboxRef>,
+    ) -> Result<Response<pb::Sandbox>, Status> {
+        let st = self.node.resume(&req.into_inner().sandbox_id).await?;
+        Ok(Response::new(sandbox_to(&self.node, &st)))
+    }
+
+    async fn snapshot_sandbox(
+        &self,
+        req: Request<pb::SnapshotSandboxRequest>,
+    ) -> Result<Response<pb::SnapshotSandboxResponse>, Status> {
+        let r = req.into_inner();
+        let (m, reused) = self.node.snapshot(&r.sandbox_id, &r.template).await?;
+        Ok(Response::new(pb::SnapshotSandboxResponse {
+            template: Some(template_to(&m, reused)),
+            filesystem_only: true,
+        }))
+    }
+
+    async fn list_sandboxes(
+        &self,
+        _req: Request<pb::ListSandboxesRequest>,
+    ) -> Result<Response<pb::ListSandboxesResponse>, Status> {
+        let v = self.node.list().await;
+        Ok(Response::new(pb::ListSandboxesResponse {
+            sandboxes: v.iter().map(|s| sandbox_to(&self.node, s)).collect(),
+        }))
+    }
+
+    async fn get_sandbox(
+        &self,
+        req: Request<pb::SandboxRef>,
+    ) -> Result<Response<pb::Sandbox>, Status> {
+        let st = self.node.get(&req.into_inner().sandbox_id).await?;
+        Ok(Response::new(sandbox_to(&self.node, &st)))
+    }
+
+    async fn list_templates(
+        &self,
+        _req: Request<pb::ListTemplatesRequest>,
+    ) -> Result<Response<pb::ListTemplatesResponse>, Status> {
+        let v = self.node.templates.list();
+        Ok(Response::new(pb::ListTemplatesResponse {
+            templates: v
+                .iter()
+                .filter(|(_, cur)| *cur)
+                .map(|(m, _)| template_to(m, false))
+                .collect(),
+        }))
+    }
+
+    async fn import_template(
+        &self,
+        req: Request<pb::ImportTemplateRequest>,
+    ) -> Result<Response<pb::Template>, Status> {
+        let r = req.into_inner();
+        let source = match r.source {
+            Some(pb::import_template_request::Source::Debootstrap(d)) => {
+                let base = Source::base();
+                let Source::Debootstrap {
+                    suite,
+                    packages,
+                    mirror,
+                } = base
+                else {
+                    return Err(Status::internal("base recipe"));
+                };
+                Source::Debootstrap {
+                    suite: if d.suite.is_empty() { suite } else { d.suite },
+                    packages: if d.packages.is_empty() {
+                        packages
+                    } else {
+                        d.packages
+                    },
+                    mirror: if d.mirror.is_empty() {
+                        mirror
+                    } else {
+                        d.mirror
+                    },
+                }
+            }
+            Some(pb::import_template_request::Source::OciPath(p)) => Source::Oci { path: p.into() },
+            Some(pb::import_template_request::Source::Directory(p)) => {
+                Source::Directory { path: p.into() }
+            }
+            None => {
+                return Err(Status::invalid_argument(
+                    "ImportTemplate: a source (debootstrap, oci_path or directory) is required",
+                ))
+            }
+        };
+        if let Source::Oci { path } | Source::Directory { path } = &source {
+            if !path.is_absolute() || !path.exists() {
+                return Err(Status::invalid_argument(format!(
+                    "ImportTemplate: {} does not exist on the node (give an absolute path)",
+                    path.display()
+                )));
+            }
+        }
+        let name = r.name.clone();
+        let progress = Arc::new(
+            move |e: crate::template::BuildEvent| tracing::info!(template = %name, event = ?e, "template build"),
+        );
+        let (m, reused) = self
+            .node
+            .import_template(&r.name, source, r.extra_mib, progress)
+            .await?;
+        Ok(Response::new(template_to(&m, reused)))
+    }
+
+    async fn delete_template(
+        &self,
+        req: Request<pb::DeleteTemplateRequest>,
+    ) -> Result<Response<pb::DeleteTemplateResponse>, Status> {
+        let r = req.into_inner();
+        let n = self
+            .node
+            .delete_template(&r.name, Some(r.build.as_str()).filter(|b| !b.is_empty()))
+            .await?;
+        Ok(Response::new(pb::DeleteTemplateResponse {
+            builds_deleted: n,
+        }))
+    }
+
+    async fn node_status(
+        &self,
+        _req: Request<pb::NodeStatusRequest>,
+    ) -> Result<Response<pb::NodeStatusResponse>, Status> {
+        let n = &self.node;
+        let list = n.list().await;
+        let alloc = pb::Capacity {
+            vcpus: list.iter().map(|s| s.shape.vcpus).sum(),
+            memory_mib: list.iter().map(|s| s.shape.memory_mib).sum(),
+            disk_free_mib: 0,
+            max_sandboxes: 0,
+        };
+        let cap = pb::Capacity {
+            vcpus: std::thread::available_parallelism()
+                .map(|x| x.get() as u32)
+                .unwrap_or(1),
+            memory_mib: mem_total_mib(),
+            disk_free_mib: disk_free_mib(&n.cfg.data_dir),
+            max_sandboxes: n.cfg.sandbox.max_sandboxes,
+        };
+        let mut templates: Vec<String> = n
+            .templates
+            .list()
+            .into_iter()
+            .filter(|(_, c)| *c)
+            .map(|(m, _)| m.name)
+            .collect();
+        templates.dedup();
+        Ok(Response::new(pb::NodeStatusResponse {
+            node_id: n.cfg.node_id(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            runtime: crate::runtime::RUNTIME_NAME.into(),
+            kvm_kind: crate::node::kvm_kind(),
+            capacity: Some(cap),
+            allocated: Some(alloc),
+            sandboxes: list.len() as u32,
+            templates,
+            pools: n
+                .pool_levels()
+                .into_iter()
+                .map(|(pool, template, ready, target)| pb::PoolLevel {
+                    pool,
+                    template,
+                    ready,
+                    target,
+                })
+                .collect(),
+            storage_mode: n.storage_mode.as_str().into(),
+            cgroup_mode: n.cg.mode_name().into(),
+        }))
+    }
+}

@@ -1,0 +1,90 @@
+//! Prometheus metrics served on the cubelet's HTTP port at `/metrics`.
+
+use prometheus::{
+    Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder,
+};
+
+/// All cubelet metrics.
+pub struct Metrics {
+    pub registry: Registry,
+    /// `cube_pool_ready{pool, template}`: entries ready in a pool.
+    pub pool_ready: IntGaugeVec,
+    /// `cube_pool_target{pool, template}`: configured pool size.
+    pub pool_target: IntGaugeVec,
+    /// `cube_sandboxes{state}`.
+    pub sandboxes: IntGaugeVec,
+    /// `cube_sandbox_create_seconds{from_pool}`: request to agent healthy.
+    pub create_seconds: HistogramVec,
+    /// `cube_sandbox_operations_total{op, result}`.
+    pub operations: IntCounterVec,
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let registry = Registry::new();
+        let pool_ready = IntGaugeVec::new(
+            Opts::new("cube_pool_ready", "Entries ready in a pool"),
+            &["pool", "template"],
+        )
+        .expect("static metric");
+        let pool_target = IntGaugeVec::new(
+            Opts::new("cube_pool_target", "Configured size of a pool"),
+            &["pool", "template"],
+        )
+        .expect("static metric");
+        let sandboxes = IntGaugeVec::new(
+            Opts::new("cube_sandboxes", "Sandboxes on this node by state"),
+            &["state"],
+        )
+        .expect("static metric");
+        let create_seconds = HistogramVec::new(
+            HistogramOpts::new(
+                "cube_sandbox_create_seconds",
+                "CreateSandbox latency until the agent is ready",
+            )
+            .buckets(vec![
+                0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
+            ]),
+            &["from_pool"],
+        )
+        .expect("static metric");
+        let operations = IntCounterVec::new(
+            Opts::new(
+                "cube_sandbox_operations_total",
+                "Sandbox operations by result",
+            ),
+            &["op", "result"],
+        )
+        .expect("static metric");
+        for c in [
+            Box::new(pool_ready.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(pool_target.clone()),
+            Box::new(sandboxes.clone()),
+            Box::new(create_seconds.clone()),
+            Box::new(operations.clone()),
+        ] {
+            registry.register(c).expect("unique metric names");
+        }
+        Metrics {
+            registry,
+            pool_ready,
+            pool_target,
+            sandboxes,
+            create_seconds,
+            operations,
+        }
+    }
+
+    /// Text exposition format.
+    pub fn render(&self) -> String {
+        let mut buf = Vec::new();
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
+        String::from_utf8_lossy(&buf).into_owned()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}

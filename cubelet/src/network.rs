@@ -1,0 +1,374 @@
+//! Per-sandbox network endpoints for the namespace runtime: a network namespace (bind-mounted
+//! under the run directory so it outlives its processes) and a veth pair whose guest end is
+//! `eth0` with the fixed guest identity, and whose host end carries the gateway identity.
+//!
+//! cube-vs plugs in through [`NetworkHook`]: it is called after the veth exists and before the
+//! endpoint is handed to a sandbox, when a policy is applied, and before the endpoint is torn
+//! down.
+
+use futures::TryStreamExt;
+use netlink_packet_route::link::LinkAttribute;
+use std::net::{IpAddr, Ipv4Addr};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+
+/// Errors of endpoint management.
+#[derive(Debug, thiserror::Error)]
+pub enum NetError {
+    #[error("netlink: {what}: {source}")]
+    Netlink {
+        what: String,
+        source: Box<rtnetlink::Error>,
+    },
+    #[error("{op} {path}: {source}")]
+    Io {
+        op: &'static str,
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("link {0} not found")]
+    NoLink(String),
+    #[error("network hook: {0}")]
+    Hook(String),
+}
+
+fn nl(what: impl Into<String>) -> impl FnOnce(rtnetlink::Error) -> NetError {
+    let what = what.into();
+    move |source| NetError::Netlink {
+        what,
+        source: Box::new(source),
+    }
+}
+
+/// The fixed guest identity shared by every sandbox (see ARCHITECTURE.md).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct GuestIdentity {
+    pub guest_ip: Ipv4Addr,
+    pub gateway_ip: Ipv4Addr,
+    pub prefix_len: u8,
+    pub guest_mac: [u8; 6],
+    pub gateway_mac: [u8; 6],
+}
+
+impl Default for GuestIdentity {
+    fn default() -> Self {
+        GuestIdentity {
+            guest_ip: Ipv4Addr::new(169, 254, 77, 2),
+            gateway_ip: Ipv4Addr::new(169, 254, 77, 1),
+            prefix_len: 30,
+            guest_mac: [0x02, 0xcb, 0xe0, 0, 0, 2],
+            gateway_mac: [0x02, 0xcb, 0xe0, 0, 0, 1],
+        }
+    }
+}
+
+/// A ready network endpoint.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct Endpoint {
+    pub key: String,
+    pub netns_path: PathBuf,
+    pub host_if: String,
+    pub host_ifindex: u32,
+}
+
+/// Egress/ingress policy handed to the switch.
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
+pub struct Policy {
+    pub internet: bool,
+    pub allow_cidrs: Vec<String>,
+    pub deny_cidrs: Vec<String>,
+    pub exposed_ports: Vec<u16>,
+}
+
+/// Where cube-vs plugs in. Every method runs off the create hot path except `apply_policy`,
+/// which must be cheap (map updates).
+pub trait NetworkHook: Send + Sync + 'static {
+    /// After the veth pair exists and is configured, before the endpoint enters a pool or is
+    /// handed to a sandbox (attach programs here).
+    fn endpoint_created(&self, _ep: &Endpoint) -> Result<(), String> {
+        Ok(())
+    }
+    /// When a sandbox claims the endpoint (write its policy and exposed ports).
+    fn apply_policy(&self, _ep: &Endpoint, _policy: &Policy) -> Result<(), String> {
+        Ok(())
+    }
+    /// Before the veth is deleted (remove per-interface state).
+    fn endpoint_released(&self, _ep: &Endpoint) {}
+}
+
+/// No switch: policy is recorded but not enforced (until cube-vs is integrated).
+pub struct NoSwitch;
+impl NetworkHook for NoSwitch {}
+
+/// Host interface name prefix; every link with it belongs to cubelet (orphan reaping).
+pub const HOST_IF_PREFIX: &str = "cvh";
+
+/// Creates and deletes endpoints.
+pub struct Network {
+    handle: rtnetlink::Handle,
+    netns_dir: PathBuf,
+    identity: GuestIdentity,
+    hook: std::sync::Arc<dyn NetworkHook>,
+}
+
+fn cpath(p: &Path) -> std::ffi::CString {
+    crate::storage::cstr(p)
+}
+
+impl Network {
+    /// Opens a netlink connection in the caller's (host) network namespace. Must run inside a
+    /// tokio runtime.
+    pub fn new(
+        netns_dir: &Path,
+        identity: GuestIdentity,
+        hook: std::sync::Arc<dyn NetworkHook>,
+    ) -> Result<Network, NetError> {
+        std::fs::create_dir_all(netns_dir).map_err(|e| NetError::Io {
+            op: "mkdir",
+            path: netns_dir.display().to_string(),
+            source: e,
+        })?;
+        let (conn, handle, _) = rtnetlink::new_connection().map_err(|e| NetError::Io {
+            op: "netlink socket",
+            path: String::new(),
+            source: e,
+        })?;
+        tokio::spawn(conn);
+        Ok(Network {
+            handle,
+            netns_dir: netns_dir.to_path_buf(),
+            identity,
+            hook,
+        })
+    }
+
+    pub fn hook(&self) -> &std::sync::Arc<dyn NetworkHook> {
+        &self.hook
+    }
+
+    /// Host interface name for an endpoint key (≤ 15 bytes).
+    pub fn host_if_name(key: &str) -> String {
+        let k: String = key.chars().filter(|c| c.is_ascii_alphanumeric()).collect();
+        format!("{HOST_IF_PREFIX}{}", &k[..k.len().min(12)])
+    }
+
+    pub fn netns_path(&self, key: &str) -> PathBuf {
+        self.netns_dir.join(key)
+    }
+
+    /// Creates a named network namespace and a netlink handle inside it.
+    fn create_netns(&self, path: &Path) -> Result<rtnetlink::Handle, NetError> {
+        let path = path.to_path_buf();
+        let rt = tokio::runtime::Handle::current();
+        let join = std::thread::spawn(move || -> Result<rtnetlink::Handle, NetError> {
+            let ioe = |op: &'static str, p: &Path| {
+                let path = p.display().to_string();
+                move |source| NetError::Io { op, path, source }
+            };
+            std::fs::File::create(&path).map_err(ioe("create", &path))?;
+            // SAFETY: unshare affects only this thread, which exits right after.
+            if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
+                return Err(ioe("unshare(NEWNET)", &path)(
+                    std::io::Error::last_os_error(),
+                ));
+            }
+            let src = std::ffi::CString::new("/proc/thread-self/ns/net").unwrap_or_default();
+            let dst = cpath(&path);
+            // SAFETY: valid strings; bind mount of our own namespace file.
+            let r = unsafe {
+                libc::mount(
+                    src.as_ptr(),
+                    dst.as_ptr(),
+                    std::ptr::null(),
+                    libc::MS_BIND,
+                    std::ptr::null(),
+                )
+            };
+            if r != 0 {
+                return Err(ioe("bind netns", &path)(std::io::Error::last_os_error()));
+            }
+            let _g = rt.enter();
+            let (conn, handle, _) =
+                rtnetlink::new_connection().map_err(ioe("netlink socket", &path))?;
+            rt.spawn(conn);
+            Ok(handle)
+        });
+        join.join()
+            .map_err(|_| NetError::Hook("netns thread panicked".into()))?
+    }
+
+    async fn index_of(h: &rtnetlink::Handle, name: &str) -> Result<Option<u32>, NetError> {
+        let mut s = h.link().get().match_name(name.to_string()).execute();
+        match s.try_next().await {
+            Ok(Some(m)) => Ok(Some(m.header.index)),
+            Ok(None) => Ok(None),
+            // ENODEV: no such link.
+            Err(rtnetlink::Error::NetlinkError(e)) if e.raw_code() == -libc::ENODEV => Ok(None),
+            Err(e) => Err(nl(format!("get link {name}"))(e)),
+        }
+    }
+
+    /// Creates a complete endpoint. On failure everything created so far is removed.
+    pub async fn create(&self, key: &str) -> Result<Endpoint, NetError> {
+        let ep = Endpoint {
+            key: key.to_string(),
+            netns_path: self.netns_path(key),
+            host_if: Self::host_if_name(key),
+            host_ifindex: 0,
+        };
+        match self.create_inner(ep.clone()).await {
+            Ok(ep) => Ok(ep),
+            Err(e) => {
+                self.destroy_parts(&ep.host_if, &ep.netns_path).await;
+                Err(e)
+            }
+        }
+    }
+
+    async fn create_inner(&self, mut ep: Endpoint) -> Result<Endpoint, NetError> {
+        let id = &self.identity;
+        let nsh = self.create_netns(&ep.netns_path)?;
+        let guest_tmp = format!("cvg{}", &ep.host_if[HOST_IF_PREFIX.len()..]);
+        let h = &self.handle;
+        h.link()
+            .add()
+            .veth(ep.host_if.clone(), guest_tmp.clone())
+            .execute()
+            .await
+            .map_err(nl(format!("add veth {}", ep.host_if)))?;
+        let host_idx = Self::index_of(h, &ep.host_if)
+            .await?
+            .ok_or_else(|| NetError::NoLink(ep.host_if.clone()))?;
+        let guest_idx = Self::index_of(h, &guest_tmp)
+            .await?
+            .ok_or_else(|| NetError::NoLink(guest_tmp.clone()))?;
+        ep.host_ifindex = host_idx;
+        let nsfile = std::fs::File::open(&ep.netns_path).map_err(|e| NetError::Io {
+            op: "open",
+            path: ep.netns_path.display().to_string(),
+            source: e,
+        })?;
+        h.link()
+            .set(guest_idx)
+            .setns_by_fd(nsfile.as_raw_fd())
+            .execute()
+            .await
+            .map_err(nl("move guest end into netns"))?;
+        // Guest side, through the netlink socket opened inside the namespace.
+        let gidx = Self::index_of(&nsh, &guest_tmp)
+            .await?
+            .ok_or_else(|| NetError::NoLink(guest_tmp.clone()))?;
+        nsh.link()
+            .set(gidx)
+            .name("eth0".into())
+            .execute()
+            .await
+            .map_err(nl("rename eth0"))?;
+        nsh.link()
+            .set(gidx)
+            .address(id.guest_mac.to_vec())
+            .execute()
+            .await
+            .map_err(nl("set guest mac"))?;
+        nsh.link()
+            .set(gidx)
+            .up()
+            .execute()
+            .await
+            .map_err(nl("eth0 up"))?;
+        nsh.address()
+            .add(gidx, IpAddr::V4(id.guest_ip), id.prefix_len)
+            .execute()
+            .await
+            .map_err(nl("guest address"))?;
+        if let Some(lo) = Self::index_of(&nsh, "lo").await? {
+            nsh.link()
+                .set(lo)
+                .up()
+                .execute()
+                .await
+                .map_err(nl("lo up"))?;
+        }
+        nsh.route()
+            .add()
+            .v4()
+            .gateway(id.gateway_ip)
+            .execute()
+            .await
+            .map_err(nl("default route"))?;
+        drop(nsh);
+        // Host side: gateway identity. Every host end has the same address; the host reaches a
+        // given sandbox by binding its socket to the interface (SO_BINDTODEVICE).
+        h.link()
+            .set(host_idx)
+            .address(id.gateway_mac.to_vec())
+            .execute()
+            .await
+            .map_err(nl("set gateway mac"))?;
+        h.address()
+            .add(host_idx, IpAddr::V4(id.gateway_ip), id.prefix_len)
+            .execute()
+            .await
+            .map_err(nl("gateway address"))?;
+        h.link()
+            .set(host_idx)
+            .up()
+            .execute()
+            .await
+            .map_err(nl("host end up"))?;
+        self.hook.endpoint_created(&ep).map_err(NetError::Hook)?;
+        Ok(ep)
+    }
+
+    /// Deletes an endpoint. Idempotent; missing parts are fine.
+    pub async fn destroy(&self, ep: &Endpoint) {
+        self.hook.endpoint_released(ep);
+        self.destroy_parts(&ep.host_if, &ep.netns_path).await;
+    }
+
+    /// Deletes by key (used for orphans, whose endpoint record may be gone).
+    pub async fn destroy_key(&self, key: &str) {
+        let host_if = Self::host_if_name(key);
+        let path = self.netns_path(key);
+        self.destroy_parts(&host_if, &path).await;
+    }
+
+    async fn destroy_parts(&self, host_if: &str, netns_path: &Path) {
+        if let Ok(Some(idx)) = Self::index_of(&self.handle, host_if).await {
+            if let Err(e) = self.handle.link().del(idx).execute().await {
+                tracing::warn!(host_if, error = %e, "deleting veth");
+            }
+        }
+        let c = cpath(netns_path);
+        // SAFETY: valid C string; MNT_DETACH so a lingering user cannot block us.
+        unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+        let _ = std::fs::remove_file(netns_path);
+    }
+
+    /// Names of all host links with our prefix (for orphan reaping).
+    pub async fn list_host_links(&self) -> Result<Vec<String>, NetError> {
+        let mut s = self.handle.link().get().execute();
+        let mut out = Vec::new();
+        while let Some(m) = s.try_next().await.map_err(nl("list links"))? {
+            for a in &m.attributes {
+                if let LinkAttribute::IfName(n) = a {
+                    if n.starts_with(HOST_IF_PREFIX) {
+                        out.push(n.clone());
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Keys of all namespace files (for orphan reaping).
+    pub fn list_netns(&self) -> Vec<String> {
+        std::fs::read_dir(&self.netns_dir)
+            .map(|rd| {
+                rd.flatten()
+                    .filter_map(|e| e.file_name().into_string().ok())
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+}

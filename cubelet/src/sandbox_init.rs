@@ -1,0 +1,420 @@
+//! The sandbox launcher. cubelet re-executes itself as `cubelet sandbox-init` (a fresh,
+//! single-threaded process, so forking is safe) with a JSON [`InitSpec`] in the environment.
+//! The launcher joins the sandbox cgroups and network namespace, unshares mount, UTS, IPC,
+//! PID and cgroup namespaces, and forks the sandbox's PID 1, which mounts the disk, prepares
+//! `/proc`, `/sys`, a minimal `/dev`, `/run` and `/tmp`, pivots into the root, drops
+//! capabilities to the agent's set, installs the seccomp filter and execs cube-agent. The
+//! launcher prints the PID 1 pid and exits, so sandboxes do not depend on cubelet staying up.
+
+use serde::{Deserialize, Serialize};
+use std::ffi::CString;
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+
+/// Environment variable carrying the spec.
+pub const SPEC_ENV: &str = "CUBE_SANDBOX_INIT_SPEC";
+
+/// What the launcher needs.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct InitSpec {
+    pub disk: PathBuf,
+    pub root: PathBuf,
+    pub netns: PathBuf,
+    pub cgroup_procs: Vec<PathBuf>,
+    pub hostname: String,
+    pub agent_path: String,
+    pub agent_args: Vec<String>,
+    pub log: PathBuf,
+    pub keep_caps: Vec<u32>,
+    pub seccomp: bool,
+    pub run_size_mib: u64,
+    pub tmp_size_mib: u64,
+}
+
+/// What the launcher prints on success.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct InitResult {
+    pub pid: i32,
+}
+
+/// Capabilities the agent keeps (Docker's default set): enough to run processes as other
+/// users, own files and bind low ports; no CAP_SYS_ADMIN, NET_ADMIN, SYS_TIME, SYS_MODULE, ...
+pub const AGENT_CAPS: &[u32] = &[0, 1, 3, 4, 5, 6, 7, 8, 10, 13, 18, 27, 29, 31];
+
+fn err(what: &str) -> String {
+    format!("{what}: {}", std::io::Error::last_os_error())
+}
+
+fn c(s: &str) -> CString {
+    CString::new(s).unwrap_or_default()
+}
+
+fn cp(p: &Path) -> CString {
+    crate::storage::cstr(p)
+}
+
+fn mount(
+    src: &str,
+    target: &Path,
+    fstype: &str,
+    flags: libc::c_ulong,
+    data: &str,
+) -> Result<(), String> {
+    let (s, t, f, d) = (c(src), cp(target), c(fstype), c(data));
+    // SAFETY: all pointers are valid C strings for the duration of the call.
+    let r = unsafe {
+        libc::mount(
+            s.as_ptr(),
+            t.as_ptr(),
+            f.as_ptr(),
+            flags,
+            if data.is_empty() {
+                std::ptr::null()
+            } else {
+                d.as_ptr() as *const libc::c_void
+            },
+        )
+    };
+    if r != 0 {
+        return Err(err(&format!("mount {fstype} on {}", target.display())));
+    }
+    Ok(())
+}
+
+/// Entry point of `cubelet sandbox-init`. Returns the process exit code.
+pub fn main() -> i32 {
+    let spec: InitSpec = match std::env::var(SPEC_ENV)
+        .map_err(|e| e.to_string())
+        .and_then(|s| serde_json::from_str(&s).map_err(|e| e.to_string()))
+    {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("sandbox-init: bad spec: {e}");
+            return 2;
+        }
+    };
+    match launch(&spec) {
+        Ok(pid) => {
+            let out = serde_json::to_string(&InitResult { pid }).unwrap_or_default();
+            println!("{out}");
+            0
+        }
+        Err(e) => {
+            eprintln!("sandbox-init: {e}");
+            1
+        }
+    }
+}
+
+fn launch(spec: &InitSpec) -> Result<i32, String> {
+    let me = std::process::id().to_string();
+    for f in &spec.cgroup_procs {
+        std::fs::write(f, &me).map_err(|e| format!("join cgroup {}: {e}", f.display()))?;
+    }
+    let ns = std::fs::File::open(&spec.netns)
+        .map_err(|e| format!("open netns {}: {e}", spec.netns.display()))?;
+    // SAFETY: setns with an fd we own.
+    if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+        return Err(err("setns(net)"));
+    }
+    drop(ns);
+    let flags = libc::CLONE_NEWNS
+        | libc::CLONE_NEWUTS
+        | libc::CLONE_NEWIPC
+        | libc::CLONE_NEWPID
+        | libc::CLONE_NEWCGROUP;
+    // SAFETY: single-threaded process.
+    if unsafe { libc::unshare(flags) } != 0 {
+        return Err(err("unshare"));
+    }
+    let filter = if spec.seccomp {
+        Some(crate::seccomp::compile()?)
+    } else {
+        None
+    };
+    let mut fds = [0i32; 2];
+    // SAFETY: fds is a valid 2-element array.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(err("pipe"));
+    }
+    // SAFETY: fresh fds from pipe2, owned here.
+    let (rd, wr) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    // SAFETY: this process is single-threaded (sandbox-init runs before any runtime starts).
+    let pid = unsafe { libc::fork() };
+    if pid < 0 {
+        return Err(err("fork"));
+    }
+    if pid == 0 {
+        drop(rd);
+        let msg = match child(spec, filter.as_ref()) {
+            Ok(never) => match never {},
+            Err(m) => m,
+        };
+        let mut w = std::fs::File::from(wr);
+        let _ = w.write_all(msg.as_bytes());
+        // SAFETY: terminate the child without running the parent's atexit handlers.
+        unsafe { libc::_exit(1) };
+    }
+    drop(wr);
+    let mut msg = String::new();
+    let _ = std::fs::File::from(rd).read_to_string(&mut msg);
+    if !msg.is_empty() {
+        let mut st = 0;
+        // SAFETY: reap our failed child.
+        unsafe { libc::waitpid(pid, &mut st, 0) };
+        return Err(msg);
+    }
+    Ok(pid)
+}
+
+enum Never {}
+
+fn mkdirs(p: &Path) -> Result<(), String> {
+    std::fs::create_dir_all(p).map_err(|e| format!("mkdir {}: {e}", p.display()))
+}
+
+fn child(spec: &InitSpec, filter: Option<&seccompiler::BpfProgram>) -> Result<Never, String> {
+    let root = &spec.root;
+    mount(
+        "none",
+        Path::new("/"),
+        "",
+        libc::MS_REC | libc::MS_PRIVATE,
+        "",
+    )?;
+    let dev = crate::storage::LoopDevice::attach(&spec.disk).map_err(|e| e.to_string())?;
+    if let Err(e) = crate::storage::mount_dev(&dev.path, root, "ext4", libc::MS_NOATIME) {
+        dev.detach();
+        return Err(e.to_string());
+    }
+    dev.release();
+    let nosuid = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
+    for d in ["proc", "sys", "dev", "run", "tmp", "sbin"] {
+        mkdirs(&root.join(d))?;
+    }
+    mount("proc", &root.join("proc"), "proc", nosuid, "")?;
+    mount(
+        "sysfs",
+        &root.join("sys"),
+        "sysfs",
+        nosuid | libc::MS_RDONLY,
+        "",
+    )?;
+    let devd = root.join("dev");
+    mount(
+        "tmpfs",
+        &devd,
+        "tmpfs",
+        libc::MS_NOSUID | libc::MS_NOEXEC,
+        "mode=755,size=64k",
+    )?;
+    for (name, major, minor) in [
+        ("null", 1, 3),
+        ("zero", 1, 5),
+        ("full", 1, 7),
+        ("random", 1, 8),
+        ("urandom", 1, 9),
+        ("tty", 5, 0),
+    ] {
+        let p = cp(&devd.join(name));
+        // SAFETY: valid path; we are root in the initial user namespace.
+        if unsafe {
+            libc::mknod(
+                p.as_ptr(),
+                libc::S_IFCHR | 0o666,
+                libc::makedev(major, minor),
+            )
+        } != 0
+        {
+            return Err(err(&format!("mknod /dev/{name}")));
+        }
+        // SAFETY: as above (mknod applies the umask).
+        unsafe { libc::chmod(p.as_ptr(), 0o666) };
+    }
+    for d in ["pts", "shm"] {
+        mkdirs(&devd.join(d))?;
+    }
+    mount(
+        "devpts",
+        &devd.join("pts"),
+        "devpts",
+        libc::MS_NOSUID | libc::MS_NOEXEC,
+        "newinstance,ptmxmode=0666,mode=0620,gid=5",
+    )?;
+    mount(
+        "shm",
+        &devd.join("shm"),
+        "tmpfs",
+        nosuid,
+        "mode=1777,size=65536k",
+    )?;
+    for (link, target) in [
+        ("ptmx", "pts/ptmx"),
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ] {
+        std::os::unix::fs::symlink(target, devd.join(link))
+            .map_err(|e| format!("symlink /dev/{link}: {e}"))?;
+    }
+    mount(
+        "tmpfs",
+        &root.join("run"),
+        "tmpfs",
+        libc::MS_NOSUID | libc::MS_NODEV,
+        &format!("mode=755,size={}m", spec.run_size_mib),
+    )?;
+    mount(
+        "tmpfs",
+        &root.join("tmp"),
+        "tmpfs",
+        libc::MS_NOSUID | libc::MS_NODEV,
+        &format!("mode=1777,size={}m", spec.tmp_size_mib),
+    )?;
+    let hn = spec.hostname.as_bytes();
+    // SAFETY: valid buffer and length.
+    if unsafe { libc::sethostname(hn.as_ptr() as *const libc::c_char, hn.len()) } != 0 {
+        return Err(err("sethostname"));
+    }
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&spec.log)
+        .map_err(|e| format!("open log {}: {e}", spec.log.display()))?;
+    // pivot_root(".", ".") stacks the old root on top of the new one; detach it right away.
+    let rc = cp(root);
+    let dot = c(".");
+    // SAFETY: valid C strings.
+    unsafe {
+        if libc::chdir(rc.as_ptr()) != 0 {
+            return Err(err("chdir root"));
+        }
+        if libc::syscall(libc::SYS_pivot_root, dot.as_ptr(), dot.as_ptr()) != 0 {
+            return Err(err("pivot_root"));
+        }
+        if libc::umount2(dot.as_ptr(), libc::MNT_DETACH) != 0 {
+            return Err(err("detach old root"));
+        }
+        let slash = c("/");
+        if libc::chdir(slash.as_ptr()) != 0 {
+            return Err(err("chdir /"));
+        }
+    }
+    let null = std::fs::File::open("/dev/null").map_err(|e| format!("open /dev/null: {e}"))?;
+    // SAFETY: dup2 onto the standard fds.
+    unsafe {
+        libc::dup2(null.as_raw_fd(), 0);
+        libc::dup2(log.as_raw_fd(), 1);
+        libc::dup2(log.as_raw_fd(), 2);
+    }
+    drop(null);
+    drop(log);
+    // Nothing of cubelet's may leak into the sandbox: close-on-exec for every other fd.
+    // SAFETY: close_range with the CLOEXEC flag only marks fds.
+    unsafe {
+        libc::syscall(
+            libc::SYS_close_range,
+            3u32,
+            u32::MAX,
+            4u32, /* CLOSE_RANGE_CLOEXEC */
+        )
+    };
+    drop_caps(&spec.keep_caps)?;
+    if let Some(f) = filter {
+        crate::seccomp::install(f).map_err(|e| format!("seccomp: {e}"))?;
+    }
+    let prog = c(&spec.agent_path);
+    let mut argv: Vec<CString> = vec![prog.clone()];
+    argv.extend(spec.agent_args.iter().map(|a| c(a)));
+    let mut argp: Vec<*const libc::c_char> = argv.iter().map(|a| a.as_ptr()).collect();
+    argp.push(std::ptr::null());
+    let env: Vec<CString> = [
+        "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "HOME=/root",
+        "TERM=xterm",
+        "container=cube-namespace",
+    ]
+    .iter()
+    .map(|s| c(s))
+    .collect();
+    let mut envp: Vec<*const libc::c_char> = env.iter().map(|a| a.as_ptr()).collect();
+    envp.push(std::ptr::null());
+    // SAFETY: argv/envp are NULL-terminated arrays of valid C strings.
+    unsafe { libc::execve(prog.as_ptr(), argp.as_ptr(), envp.as_ptr()) };
+    Err(err(&format!("exec {}", spec.agent_path)))
+}
+
+#[repr(C)]
+struct CapHeader {
+    version: u32,
+    pid: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct CapData {
+    effective: u32,
+    permitted: u32,
+    inheritable: u32,
+}
+
+/// Shrinks the bounding set and the inheritable set to `keep`; after exec, root's permitted
+/// set is the bounding set, so the agent ends with exactly `keep`.
+fn drop_caps(keep: &[u32]) -> Result<(), String> {
+    let last: u32 = std::fs::read_to_string("/proc/sys/kernel/cap_last_cap")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(40);
+    for cap in 0..=last {
+        if !keep.contains(&cap) {
+            // SAFETY: prctl with integer arguments.
+            if unsafe { libc::prctl(libc::PR_CAPBSET_DROP, cap as libc::c_ulong, 0, 0, 0) } != 0 {
+                return Err(err(&format!("drop capability {cap}")));
+            }
+        }
+    }
+    // SAFETY: prctl with integer arguments.
+    unsafe {
+        libc::prctl(
+            libc::PR_CAP_AMBIENT,
+            libc::PR_CAP_AMBIENT_CLEAR_ALL as libc::c_ulong,
+            0,
+            0,
+            0,
+        )
+    };
+    let mut hdr = CapHeader {
+        version: 0x2008_0522,
+        pid: 0,
+    };
+    let mut data = [CapData {
+        effective: 0,
+        permitted: 0,
+        inheritable: 0,
+    }; 2];
+    // SAFETY: header and 2-element data array as the v3 ABI requires.
+    if unsafe {
+        libc::syscall(
+            libc::SYS_capget,
+            &mut hdr as *mut CapHeader,
+            data.as_mut_ptr(),
+        )
+    } != 0
+    {
+        return Err(err("capget"));
+    }
+    let mut inh = [0u32; 2];
+    for &k in keep {
+        inh[(k / 32) as usize % 2] |= 1 << (k % 32);
+    }
+    for i in 0..2 {
+        data[i].inheritable &= inh[i];
+    }
+    // SAFETY: as above.
+    if unsafe { libc::syscall(libc::SYS_capset, &mut hdr as *mut CapHeader, data.as_ptr()) } != 0 {
+        return Err(err("capset"));
+    }
+    Ok(())
+}

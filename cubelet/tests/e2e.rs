@@ -1,0 +1,665 @@
+//! End-to-end tests against a real cubelet daemon, real namespaces, cgroups, veths, loop
+//! devices and the real cube-agent. Root only.
+
+mod common;
+
+use common::*;
+use cube_proto::nodev1 as pb;
+use std::time::Duration;
+use tonic::Code;
+
+fn state_of(c: &Cubelet, id: &str) -> cubelet::node::SandboxState {
+    cubelet::state::read(
+        &c.data().join("sandboxes").join(id).join("state.json"),
+        cubelet::node::STATE_MAGIC,
+        cubelet::node::STATE_VERSION,
+    )
+    .unwrap()
+}
+
+fn file_len(pid: i32, path: &str) -> u64 {
+    std::fs::metadata(format!("/proc/{pid}/root{path}"))
+        .map(|m| m.len())
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sandbox_lifecycle_commands_files_pause_resume_kill() {
+    cube_testkit::require_priv!("cubelet::sandbox_lifecycle");
+    let mut c = Cubelet::new("life", Opts::default());
+    let mut cl = c.start().await;
+    let sb = cl
+        .create_sandbox(create_req("life1"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(sb.runtime, "namespace");
+    assert_eq!(sb.state, pb::SandboxState::Running as i32);
+    assert!(!sb.host_interface.is_empty());
+
+    // A command through the agent sees the env var from /init, runs as `user`, in its own
+    // hostname and pid namespace, with the guest network identity.
+    let (code, out) = sh(&sb, "echo $FOO; id -u; cat /marker; echo $$").await;
+    assert_eq!(code, 0);
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines[0], "bar", "{out}");
+    assert_eq!(lines[1], "1000", "{out}");
+    assert_eq!(lines[2], "mini template");
+    let (_, out) = sh(&sb, "cat /proc/net/dev | grep -c eth0; cat /sys/class/net/eth0/address; ls /proc | grep -c '^[0-9]'").await;
+    let l: Vec<&str> = out.lines().collect();
+    assert_eq!(l[0], "1");
+    assert_eq!(l[1], "02:cb:e0:00:00:02");
+    assert!(
+        l[2].parse::<u32>().unwrap() < 10,
+        "sandbox sees host processes: {out}"
+    );
+
+    // Files: written inside, visible through the sandbox's own root only.
+    let (code, _) = sh(
+        &sb,
+        "echo hello > /home/user/f.txt && mkdir -p /home/user/d",
+    )
+    .await;
+    assert_eq!(code, 0);
+    let (_, out) = sh(&sb, "cat /home/user/f.txt").await;
+    assert_eq!(out, "hello\n");
+    let st = state_of(&c, "life1");
+    assert_eq!(
+        std::fs::read_to_string(format!("/proc/{}/root/home/user/f.txt", st.pid)).unwrap(),
+        "hello\n"
+    );
+    assert!(
+        !std::path::Path::new("/home/user/f.txt").exists()
+            || std::fs::read_to_string("/home/user/f.txt").unwrap() != "hello\n"
+    );
+
+    // Dangerous syscalls are refused even for root inside (seccomp + dropped capabilities).
+    let (_, caps) = sh(&sb, "grep CapBnd /proc/self/status").await;
+    assert!(caps.contains("00000000a80425fb"), "bounding set: {caps}");
+
+    // Pause: a busy loop stops making progress while frozen, and resumes after.
+    sh(
+        &sb,
+        "(while true; do echo x >> /tmp/c; sleep 0.02; done) >/dev/null 2>&1 &",
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let paused = cl
+        .pause_sandbox(pb::SandboxRef {
+            sandbox_id: "life1".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(paused.state, pb::SandboxState::Paused as i32);
+    let a = file_len(st.pid, "/tmp/c");
+    assert!(a > 0);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        file_len(st.pid, "/tmp/c"),
+        a,
+        "a frozen sandbox kept running"
+    );
+    let e = cl
+        .pause_sandbox(pb::SandboxRef {
+            sandbox_id: "life1".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition);
+    cl.resume_sandbox(pb::SandboxRef {
+        sandbox_id: "life1".into(),
+    })
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        file_len(st.pid, "/tmp/c") > a,
+        "resumed sandbox does not run"
+    );
+    let (code, _) = sh(&sb, "true").await;
+    assert_eq!(code, 0);
+
+    // Get and List.
+    let g = cl
+        .get_sandbox(pb::SandboxRef {
+            sandbox_id: "life1".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(g.sandbox_id, "life1");
+    let l = cl
+        .list_sandboxes(pb::ListSandboxesRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(l.sandboxes.len(), 1);
+
+    // Snapshot (filesystem only) into a new template, and a sandbox from it sees the file.
+    let snap = cl
+        .snapshot_sandbox(pb::SnapshotSandboxRequest {
+            sandbox_id: "life1".into(),
+            template: "snap1".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(snap.filesystem_only);
+    let mut r = create_req("fromsnap");
+    r.template = "snap1".into();
+    let sb2 = cl.create_sandbox(r).await.unwrap().into_inner();
+    let (_, out) = sh(&sb2, "cat /home/user/f.txt").await;
+    assert_eq!(out, "hello\n");
+    // The template is in use: deleting it is refused.
+    let e = cl
+        .delete_template(pb::DeleteTemplateRequest {
+            name: "snap1".into(),
+            build: String::new(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+
+    // Kill releases everything.
+    assert!(
+        cl.kill_sandbox(pb::SandboxRef {
+            sandbox_id: "life1".into()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .existed
+    );
+    assert!(
+        cl.kill_sandbox(pb::SandboxRef {
+            sandbox_id: "fromsnap".into()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .existed
+    );
+    assert!(
+        !cl.kill_sandbox(pb::SandboxRef {
+            sandbox_id: "life1".into()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .existed
+    );
+    assert!(!cubelet::runtime::is_alive(st.pid, st.pid_start));
+    c.assert_clean();
+    assert_eq!(
+        cl.delete_template(pb::DeleteTemplateRequest {
+            name: "snap1".into(),
+            build: String::new()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .builds_deleted,
+        1
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_clear_grpc_errors() {
+    cube_testkit::require_priv!("cubelet::bad_requests");
+    let mut c = Cubelet::new(
+        "err",
+        Opts {
+            max_sandboxes: 1,
+            ..Default::default()
+        },
+    );
+    let mut cl = c.start().await;
+    let cases: Vec<(pb::CreateSandboxRequest, Code, &str)> = vec![
+        (
+            {
+                let mut r = create_req("a1");
+                r.template = "Bad/Name".into();
+                r
+            },
+            Code::InvalidArgument,
+            "invalid template name",
+        ),
+        (
+            {
+                let mut r = create_req("a1");
+                r.template = "nosuch".into();
+                r
+            },
+            Code::NotFound,
+            "not found",
+        ),
+        (
+            {
+                let mut r = create_req("a1");
+                r.build = "zz".into();
+                r
+            },
+            Code::InvalidArgument,
+            "invalid build",
+        ),
+        (
+            {
+                let mut r = create_req("a1");
+                r.build = "0123456789abcdef".into();
+                r
+            },
+            Code::NotFound,
+            "no build",
+        ),
+        (
+            create_req("Bad-Id"),
+            Code::InvalidArgument,
+            "invalid sandbox id",
+        ),
+        (
+            {
+                let mut r = create_req("a1");
+                r.shape = Some(pb::Shape {
+                    vcpus: 1000,
+                    memory_mib: 256,
+                    disk_mib: 0,
+                });
+                r
+            },
+            Code::InvalidArgument,
+            "vCPUs",
+        ),
+        (
+            {
+                let mut r = create_req("a1");
+                r.shape = Some(pb::Shape {
+                    vcpus: 1,
+                    memory_mib: 1,
+                    disk_mib: 0,
+                });
+                r
+            },
+            Code::InvalidArgument,
+            "memory",
+        ),
+        (
+            {
+                let mut r = create_req("a1");
+                r.shape = Some(pb::Shape {
+                    vcpus: 1,
+                    memory_mib: 256,
+                    disk_mib: 1,
+                });
+                r
+            },
+            Code::InvalidArgument,
+            "disk",
+        ),
+        (
+            {
+                let mut r = create_req("a1");
+                r.network = Some(pb::NetworkPolicy {
+                    internet: false,
+                    allow_cidrs: vec!["nonsense".into()],
+                    ..Default::default()
+                });
+                r
+            },
+            Code::InvalidArgument,
+            "CIDR",
+        ),
+    ];
+    for (req, code, msg) in cases {
+        let e = cl.create_sandbox(req.clone()).await.unwrap_err();
+        assert_eq!(e.code(), code, "{req:?}: {e:?}");
+        assert!(
+            e.message().contains(msg),
+            "{:?} does not mention {msg:?}",
+            e.message()
+        );
+    }
+    cl.create_sandbox(create_req("a1")).await.unwrap();
+    let e = cl.create_sandbox(create_req("a1")).await.unwrap_err();
+    assert_eq!(e.code(), Code::AlreadyExists);
+    let e = cl.create_sandbox(create_req("a2")).await.unwrap_err();
+    assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+    for e in [
+        cl.get_sandbox(pb::SandboxRef {
+            sandbox_id: "nope".into(),
+        })
+        .await
+        .unwrap_err(),
+        cl.pause_sandbox(pb::SandboxRef {
+            sandbox_id: "nope".into(),
+        })
+        .await
+        .unwrap_err(),
+        cl.resume_sandbox(pb::SandboxRef {
+            sandbox_id: "nope".into(),
+        })
+        .await
+        .unwrap_err(),
+    ] {
+        assert_eq!(e.code(), Code::NotFound);
+    }
+    let e = cl
+        .resume_sandbox(pb::SandboxRef {
+            sandbox_id: "a1".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition);
+    let e = cl
+        .import_template(pb::ImportTemplateRequest {
+            name: "x".into(),
+            source: None,
+            extra_mib: 0,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+    let e = cl
+        .import_template(pb::ImportTemplateRequest {
+            name: "x".into(),
+            source: Some(pb::import_template_request::Source::Directory(
+                "/nonexistent".into(),
+            )),
+            extra_mib: 0,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+    let e = cl
+        .delete_template(pb::DeleteTemplateRequest {
+            name: "nosuch".into(),
+            build: String::new(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound);
+    cl.kill_sandbox(pb::SandboxRef {
+        sandbox_id: "a1".into(),
+    })
+    .await
+    .unwrap();
+    c.assert_clean();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restarted_cubelet_readopts_running_and_reaps_half_created() {
+    cube_testkit::require_priv!("cubelet::restart_readopts");
+    let mut c = Cubelet::new(
+        "rst",
+        Opts {
+            network_pool: 2,
+            ..Default::default()
+        },
+    );
+    let mut cl = c.start().await;
+    let sb = cl
+        .create_sandbox(create_req("keep1"))
+        .await
+        .unwrap()
+        .into_inner();
+    let paused = cl
+        .create_sandbox(create_req("keep2"))
+        .await
+        .unwrap()
+        .into_inner();
+    cl.pause_sandbox(pb::SandboxRef {
+        sandbox_id: "keep2".into(),
+    })
+    .await
+    .unwrap();
+    sh(&sb, "echo before > /tmp/x").await;
+    let st = state_of(&c, "keep1");
+    c.crash();
+    // The sandbox outlives its cubelet.
+    assert!(cubelet::runtime::is_alive(st.pid, st.pid_start));
+    // A half-created sandbox (crash during create) and a corrupt state file.
+    let half = c.data().join("sandboxes/half1");
+    std::fs::create_dir_all(&half).unwrap();
+    let mut hs = st.clone();
+    hs.id = "half1".into();
+    hs.key = "deadbeef0001".into();
+    hs.phase = cubelet::node::Phase::Creating;
+    hs.pid = 0;
+    hs.endpoint = None;
+    cubelet::state::write(
+        &half.join("state.json"),
+        cubelet::node::STATE_MAGIC,
+        cubelet::node::STATE_VERSION,
+        &hs,
+    )
+    .unwrap();
+    std::fs::write(half.join("disk.ext4"), b"x").unwrap();
+    let bad = c.data().join("sandboxes/corrupt1");
+    std::fs::create_dir_all(&bad).unwrap();
+    std::fs::write(bad.join("state.json"), b"{\"magic\":").unwrap();
+
+    let mut cl = c.start().await;
+    let l = cl
+        .list_sandboxes(pb::ListSandboxesRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let ids: Vec<&str> = l.sandboxes.iter().map(|s| s.sandbox_id.as_str()).collect();
+    assert_eq!(ids, vec!["keep1", "keep2"], "{}", c.log());
+    assert!(
+        !half.exists() && !bad.exists(),
+        "half-created sandboxes were not reaped"
+    );
+    let (_, out) = sh(&sb, "cat /tmp/x").await;
+    assert_eq!(out, "before\n");
+    let g = cl
+        .get_sandbox(pb::SandboxRef {
+            sandbox_id: "keep2".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(g.state, pb::SandboxState::Paused as i32);
+    cl.resume_sandbox(pb::SandboxRef {
+        sandbox_id: "keep2".into(),
+    })
+    .await
+    .unwrap();
+    assert_eq!(sh(&paused, "echo ok").await.1, "ok\n");
+    cl.kill_sandbox(pb::SandboxRef {
+        sandbox_id: "keep1".into(),
+    })
+    .await
+    .unwrap();
+    cl.kill_sandbox(pb::SandboxRef {
+        sandbox_id: "keep2".into(),
+    })
+    .await
+    .unwrap();
+    c.stop();
+    c.assert_clean();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn templates_and_node_status_over_grpc() {
+    cube_testkit::require_priv!("cubelet::templates_and_node_status");
+    let mut c = Cubelet::new("tpl", Opts::default());
+    let mut cl = c.start().await;
+    let st = cl
+        .node_status(pb::NodeStatusRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(st.runtime, "namespace");
+    assert!(["none", "pvm", "hardware"].contains(&st.kvm_kind.as_str()));
+    assert!(st.capacity.unwrap().memory_mib > 0);
+    assert_eq!(st.templates, vec!["mini"]);
+    // OCI layout import, content addressed: the second import is reused.
+    let layout = c.root.join("oci");
+    let host = c.root.join("hostroot");
+    let sh_bytes = std::fs::read(host.join("bin/sh")).unwrap();
+    cubelet::oci::write_test_layout(
+        &layout,
+        &[
+            vec![("etc/os", b"oci\n")],
+            vec![("etc/.wh.os", b""), ("etc/os2", b"two\n")],
+        ],
+        &serde_json::json!({"config": {"Env": ["X=1"], "Cmd": ["/bin/sh"]}}),
+    )
+    .unwrap();
+    drop(sh_bytes);
+    let req = pb::ImportTemplateRequest {
+        name: "ocit".into(),
+        source: Some(pb::import_template_request::Source::OciPath(
+            layout.display().to_string(),
+        )),
+        extra_mib: 0,
+    };
+    let t1 = cl.import_template(req.clone()).await.unwrap().into_inner();
+    assert_eq!(t1.source, "oci");
+    assert_eq!(t1.env, vec!["X=1"]);
+    assert!(!t1.reused);
+    let t2 = cl.import_template(req).await.unwrap().into_inner();
+    assert!(t2.reused);
+    assert_eq!(t1.build, t2.build);
+    let l = cl
+        .list_templates(pb::ListTemplatesRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let names: Vec<&str> = l.templates.iter().map(|t| t.name.as_str()).collect();
+    assert_eq!(names, vec!["mini", "ocit"]);
+    assert_eq!(
+        cl.delete_template(pb::DeleteTemplateRequest {
+            name: "ocit".into(),
+            build: String::new()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .builds_deleted,
+        1
+    );
+    // Metrics endpoint.
+    let body = http_get(&c.http, "/metrics").await;
+    assert!(body.contains("cube_pool_ready"), "{body}");
+}
+
+async fn http_get(addr: &str, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut b = String::new();
+    s.read_to_string(&mut b).await.unwrap();
+    b
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pools_serve_creates_and_churn_leaves_nothing() {
+    cube_testkit::require_priv!("cubelet::pools_churn");
+    let n: usize = std::env::var("CUBE_CHURN_COUNT")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1000);
+    let mut c = Cubelet::new(
+        "churn",
+        Opts {
+            network_pool: 8,
+            disk_pool: 4,
+            started: 2,
+            ..Default::default()
+        },
+    );
+    let mut cl = c.start().await;
+    // Wait for the started pool to fill.
+    let t = std::time::Instant::now();
+    loop {
+        let st = cl
+            .node_status(pb::NodeStatusRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        if st.pools.iter().any(|p| p.pool == "started" && p.ready >= 2) {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "started pool did not fill: {:?}\n{}",
+            st.pools,
+            c.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let sb = cl
+        .create_sandbox(create_req("pooled1"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(sb.from_pool);
+    assert_eq!(
+        sh(&sb, "echo $FOO").await.1,
+        "bar\n",
+        "pooled sandbox did not get its /init env"
+    );
+    cl.kill_sandbox(pb::SandboxRef {
+        sandbox_id: "pooled1".into(),
+    })
+    .await
+    .unwrap();
+    let start = std::time::Instant::now();
+    let mut pooled = 0;
+    for i in 0..n {
+        let id = format!("churn{i}");
+        let sb = cl
+            .create_sandbox(create_req(&id))
+            .await
+            .unwrap_or_else(|e| panic!("create {id}: {e:?}\n{}", c.log()))
+            .into_inner();
+        pooled += usize::from(sb.from_pool);
+        cl.kill_sandbox(pb::SandboxRef { sandbox_id: id })
+            .await
+            .unwrap();
+    }
+    eprintln!(
+        "{n} create+kill in {:?} ({pooled} from the started pool)",
+        start.elapsed()
+    );
+    let body = http_get(&c.http, "/metrics").await;
+    assert!(
+        body.contains("cube_pool_ready{pool=\"started\",template=\"mini\"}"),
+        "{body}"
+    );
+    c.stop();
+    c.assert_clean();
+}
+
+/// The default `base` template (bookworm minbase + bash, coreutils, python3, CA certificates)
+/// built through debootstrap. The debootstrap root is cached in /var/cache/cube/templates keyed
+/// by the recipe, so only the first run on a machine reaches Debian's mirror (~2 min).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn base_template_from_debootstrap_runs_python() {
+    cube_testkit::require_priv!("cubelet::base_template");
+    let mut c = Cubelet::new(
+        "base",
+        Opts {
+            shared_cache: true,
+            ..Default::default()
+        },
+    );
+    c.cli(&["build-template", "base"]);
+    let mut cl = c.start().await;
+    let mut r = create_req("base1");
+    r.template = "base".into();
+    let sb = cl.create_sandbox(r).await.unwrap().into_inner();
+    let (code, out) = sh(&sb, "python3 -c 'import ssl, os; print(os.getuid(), os.path.exists(\"/etc/ssl/certs/ca-certificates.crt\"))'; bash -c 'echo $BASH_VERSION' | cut -c1").await;
+    assert_eq!(code, 0);
+    assert_eq!(out, "1000 True\n5\n");
+    cl.kill_sandbox(pb::SandboxRef {
+        sandbox_id: "base1".into(),
+    })
+    .await
+    .unwrap();
+    c.assert_clean();
+}
