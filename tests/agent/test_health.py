@@ -1,0 +1,74 @@
+"""Liveness and the small HTTP routes: /health, /envs, /metrics, CORS, unknown routes."""
+
+from __future__ import annotations
+
+import os
+
+
+def test_is_running(sbx):
+    assert sbx.is_running() is True
+
+
+def test_health_204(raw):
+    r = raw.request("GET", "/health")
+    assert r.status == 204
+    assert r.body == b""
+
+
+def test_health_keepalive_reuse(raw):
+    # Many requests over one HTTP/1.1 connection, as the SDK's pool does.
+    for _ in range(50):
+        assert raw.request("GET", "/health").status == 204
+
+
+def test_envs_is_a_json_object(raw):
+    r = raw.request("GET", "/envs")
+    assert r.status == 200
+    assert r.content_type == "application/json"
+    assert isinstance(r.json(), dict)
+    assert all(isinstance(k, str) and isinstance(v, str) for k, v in r.json().items())
+
+
+def test_metrics_fields(raw):
+    r = raw.request("GET", "/metrics")
+    assert r.status == 200
+    assert r.content_type == "application/json"
+    m = r.json()
+    for k in (
+        "ts",
+        "cpu_count",
+        "cpu_used_pct",
+        "mem_total",
+        "mem_used",
+        "mem_total_mib",
+        "mem_used_mib",
+        "disk_used",
+        "disk_total",
+    ):
+        assert k in m, (k, m)
+    assert m["cpu_count"] == os.cpu_count()
+    assert 0 < m["mem_used"] <= m["mem_total"]
+    assert abs(m["mem_total_mib"] - m["mem_total"] / 1048576) <= 1
+    assert 0 <= m["cpu_used_pct"] <= 100
+    assert 0 < m["disk_used"] <= m["disk_total"]
+
+
+def test_unknown_route_404(raw):
+    assert raw.request("GET", "/no-such-route").status == 404
+    assert raw.request("GET", "/health").status == 204
+
+
+def test_cors_allows_all(raw):
+    r = raw.request(
+        "OPTIONS",
+        "/process.Process/Start",
+        headers={
+            "Origin": "https://example.com",
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "content-type,connect-protocol-version,x-access-token",
+        },
+    )
+    assert r.status in (200, 204), (r.status, r.body)
+    assert r.header("access-control-allow-origin") in ("*", "https://example.com"), r.headers
+    r = raw.request("GET", "/health", headers={"Origin": "https://example.com"})
+    assert r.header("access-control-allow-origin") in ("*", "https://example.com"), r.headers
