@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Installs what building and testing Cube needs on Debian 12. Idempotent and quiet when nothing is
+# missing, so every entry point (tests/run.sh, .ci/run, the single-host setup) can call it.
+#   deploy/deps.sh            build + runtime packages, Rust toolchain check
+#   deploy/deps.sh --test     also the test-only packages and the Python venvs with the pinned SDKs
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+WANT_TEST=0
+[ "${1:-}" = "--test" ] && WANT_TEST=1
+
+if [ "$(id -u)" != 0 ]; then
+    echo "deploy/deps.sh: run as root (it installs Debian packages)" >&2
+    exit 1
+fi
+
+# Build: clang/libbpf for cube-vs' eBPF, nasm for the hypervisor's test guests, protoc for tonic.
+# Runtime: xfsprogs/e2fsprogs for template storage, nftables for egress masquerade, debootstrap.
+PKGS=(build-essential pkg-config clang llvm libbpf-dev nasm protobuf-compiler
+      xfsprogs e2fsprogs btrfs-progs nftables iproute2 debootstrap ca-certificates curl python3 python3-venv)
+TEST_PKGS=(file iputils-ping netcat-openbsd postgresql bpftool procps psmisc busybox-static qemu-system-x86 cpio)
+[ $WANT_TEST = 1 ] && PKGS+=("${TEST_PKGS[@]}")
+
+missing=()
+for p in "${PKGS[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+    echo "deps: installing ${missing[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# Rust: the workspace needs rustc >= 1.95. Debian's rustc is older, so use rustup's.
+if ! command -v cargo >/dev/null 2>&1 && [ -x "$HOME/.cargo/bin/cargo" ]; then
+    export PATH="$HOME/.cargo/bin:$PATH"
+fi
+if ! command -v cargo >/dev/null 2>&1; then
+    echo "deps: installing the Rust toolchain with rustup"
+    curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal --default-toolchain 1.95.0
+    export PATH="$HOME/.cargo/bin:$PATH"
+fi
+rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy rustfmt >/dev/null 2>&1 || true
+
+# bpffs: cube-vs pins its maps and links there.
+if ! mountpoint -q /sys/fs/bpf; then
+    mount -t bpf bpf /sys/fs/bpf
+fi
+
+if [ $WANT_TEST = 1 ]; then
+    # One venv per pinned requirements file, rebuilt only when the file changes.
+    VENV_ROOT=${CUBE_VENV_ROOT:-/var/cache/cube/venv}
+    mkdir -p "$VENV_ROOT"
+    for req in "$ROOT"/tests/requirements-*.txt; do
+        [ -e "$req" ] || continue
+        name=$(basename "$req" .txt); name=${name#requirements-}
+        venv="$VENV_ROOT/$name"
+        sum=$(sha256sum "$req" | cut -c1-16)
+        if [ "$(cat "$venv/.req-sum" 2>/dev/null)" != "$sum" ]; then
+            echo "deps: creating venv $venv from $(basename "$req")"
+            rm -rf "$venv"
+            python3 -m venv "$venv"
+            "$venv/bin/pip" install -q --disable-pip-version-check -r "$req"
+            echo "$sum" > "$venv/.req-sum"
+        fi
+    done
+fi

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Runs every Cube test suite: installs what the tests need (idempotent), checks formatting and
+# lints, builds, runs the Rust tests, the Python suites against the real E2B SDKs, and the guest
+# kernel build check, then prints which privileged and KVM suites really ran.
+#
+# Privileged/KVM tests skip with a reason when the host lacks root or /dev/kvm, unless
+# CUBE_REQUIRE_PRIV=1 / CUBE_REQUIRE_KVM=1 (CI sets both), in which case they fail.
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+
+bash deploy/deps.sh --test
+export PATH="$HOME/.cargo/bin:$PATH"
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-/var/cache/cube/target}
+export CUBE_VENV_ROOT=${CUBE_VENV_ROOT:-/var/cache/cube/venv}
+CUBE_SUITE_LOG=$(mktemp /tmp/cube-suites.XXXXXX)
+export CUBE_SUITE_LOG
+START=$(date +%s)
+step() { printf '\n==== %s (%ss)\n' "$*" "$(( $(date +%s) - START ))"; }
+
+step "format and lints"
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets --quiet -- -D warnings
+
+step "static cube-agent (the binary that goes into templates)"
+RUSTFLAGS="-C target-feature=+crt-static" \
+    cargo build --quiet -p cube-agent --release --target x86_64-unknown-linux-gnu
+export CUBE_AGENT_BIN="$CARGO_TARGET_DIR/x86_64-unknown-linux-gnu/release/cube-agent"
+file "$CUBE_AGENT_BIN" 2>/dev/null | grep -Eq 'statically linked|static-pie linked' \
+    || { echo "cube-agent is not statically linked" >&2; exit 1; }
+
+step "build"
+cargo build --quiet --workspace --all-targets
+
+step "Rust tests"
+cargo test --workspace --no-fail-fast
+
+# Python suites: tests/<name>/ runs in the venv made from tests/requirements-<name>.txt.
+for req in tests/requirements-*.txt; do
+    [ -e "$req" ] || continue
+    name=$(basename "$req" .txt); name=${name#requirements-}
+    [ -d "tests/$name" ] || continue
+    step "Python suite tests/$name"
+    "$CUBE_VENV_ROOT/$name/bin/python" -m pytest -q -p no:cacheprovider "tests/$name"
+done
+
+step "guest kernel: build (cached by its inputs), check, self-test, boot to init under QEMU"
+KOUT=${CUBE_KERNEL_OUT:-/var/cache/cube/guest-kernel/out}
+bash deploy/guest-kernel/build.sh --out "$KOUT"
+bash deploy/guest-kernel/check.sh "$KOUT/vmlinux"
+bash deploy/guest-kernel/selftest.sh "$KOUT/vmlinux"
+# This host's KVM is PVM (no VMX/SVM), so the boot test uses QEMU's emulator (TCG); on a host
+# with hardware KVM it uses KVM.
+bash deploy/guest-kernel/boot-test.sh --vmlinux "$KOUT/vmlinux"
+
+step "privileged and KVM suites"
+if [ -s "$CUBE_SUITE_LOG" ]; then
+    sort "$CUBE_SUITE_LOG" | uniq
+    printf 'ran: %s, skipped: %s\n' "$(grep -c '^RAN' "$CUBE_SUITE_LOG" || true)" \
+        "$(grep -c '^SKIPPED' "$CUBE_SUITE_LOG" || true)"
+else
+    echo "(no privileged or KVM suite reported)"
+fi
+rm -f "$CUBE_SUITE_LOG"
+step "all suites passed"
