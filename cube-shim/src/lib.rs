@@ -1,4 +1,60 @@
-//! One process per sandbox hosting the VMM in-process, with a control API for cubelet.
+//! `cube-shim`: one process per sandbox, hosting one VM in-process through `cube-hypervisor`.
 //!
-//! Not built yet: this crate is filled by issue 7. It deliberately exports nothing, so that
-//! nothing can depend on behaviour that does not exist.
+//! cubelet spawns a shim ahead of time with a shape (`--vcpus`, `--mem-mib`) and a control
+//! socket path (`--socket`). The shim opens `/dev/kvm`, pre-creates a [`cube_hypervisor::VmShell`]
+//! of that shape (memslot + parked vCPU threads, the slow part of VM creation), jails itself
+//! ([`jail`]) and waits for requests. A `restore` then only maps the template's memory file
+//! `MAP_PRIVATE` over the shell and loads vCPU/VM state. With `--template DIR` the shell is
+//! also bound to that template ahead of time (memory mapped, files open and checked), so that
+//! restoring it only loads vCPU/VM state.
+//!
+//! # Control API (version 1)
+//! Newline-delimited JSON over the unix socket; one request line → one response line, in
+//! order. Connections are served one at a time per connection thread; requests on different
+//! connections are serialized by the shim. Types: [`protocol::Request`], [`protocol::Response`];
+//! [`client::Client`] is a ready-made blocking client.
+//!
+//! Request: `{"v":1,"op":"<op>", ...args}`. Ops ([`protocol::Op`]):
+//! * `ping` → `pong` (pid, shape, state).
+//! * `restore` `{snapshot, disk?, tap?, vsock?}` → `restored` (µs spent). Restores the snapshot
+//!   directory into the pre-created shell and runs the guest. The snapshot must match the
+//!   shim's shape. A snapshot with a virtio-blk device needs `disk` (the sandbox's own copy,
+//!   opened read-write); the device layout is in [`devices`]. `tap` and `vsock` are accepted
+//!   by the protocol but not attached yet: a request naming one is refused with `unsupported`.
+//! * `pause` → `paused` (vCPUs stopped, memory kept). `resume` (no `dir`) runs it again.
+//! * `pause_to_disk` `{dir}` → `paused_to_disk`: writes the state plus the pages that differ
+//!   from the template, then **drops the VM** (guest memory is released).
+//! * `resume` `{dir?, disk?}` → `resumed`: without `dir`, from an in-memory pause; with `dir`,
+//!   from a pause-to-disk directory (in this shim, or in a new shim of the same shape), with
+//!   `disk` when the sandbox had one.
+//! * `snapshot` `{dir}` → `snapshotted`: a full snapshot (a new template); the VM stays paused
+//!   if it was paused and runs again if it was running.
+//! * `stats` → `stats` ([`protocol::Stats`]): guest memory resident/private/PSS (from
+//!   `/proc/self/smaps` over the guest RAM range), process RSS/PSS, CPU time, guest status.
+//! * `wait` `{timeout_ms}` → `guest` status once the guest stops on its own (done, pause
+//!   point, shutdown, vCPU error) or the timeout passes.
+//! * `peek` `{gpa, count, stride?}` → `values`: `count` (≤ 4096) little-endian u64s of guest
+//!   memory, `stride` bytes apart (default 8). Diagnostics and tests; reading faults template
+//!   pages in shared, as guest reads would.
+//! * `stop` → `stopped`; the VM is dropped and the shim exits after answering.
+//!
+//! Response: `{"v":1,"ok":{"reply":"<kind>",...}}` or
+//! `{"v":1,"err":{"kind":"<ErrorKind>","message":"..."}}`. Malformed lines, unknown ops and
+//! wrong versions get an error response and the connection stays usable. Nothing on a request
+//! path panics.
+//!
+//! # Not yet
+//! virtio-net (`tap`) and virtio-vsock (`vsock`) are not rebuilt: a snapshot carrying their
+//! states, or a request naming those backends, is refused with `unsupported`. Tap fds cannot
+//! be passed over the socket (names only).
+
+pub mod client;
+pub mod devices;
+pub mod jail;
+pub mod protocol;
+pub mod sandbox;
+pub mod server;
+pub mod stats;
+
+pub use client::{Client, ClientError};
+pub use protocol::{ErrorKind, Op, Reply, Request, Response, PROTOCOL_VERSION};
