@@ -1,5 +1,6 @@
-//! HTTP client for the in-sandbox agent (envd protocol). Every host end of a sandbox veth has
-//! the same gateway address, so connections are bound to the sandbox's host interface
+//! HTTP client for the in-sandbox agent (envd protocol). With cube-vs the agent is reached at
+//! the sandbox's unique host address. Without a switch every host end of a sandbox veth has the
+//! same gateway address, so connections are bound to the sandbox's host interface
 //! (SO_BINDTODEVICE) and go to the fixed guest address.
 
 use http_body_util::{BodyExt, Full};
@@ -10,9 +11,9 @@ use std::time::{Duration, Instant};
 /// Errors talking to an agent.
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
-    #[error("connect to agent via {iface}: {source}")]
+    #[error("connect to agent at {addr}: {source}")]
     Connect {
-        iface: String,
+        addr: String,
         source: std::io::Error,
     },
     #[error("agent HTTP: {0}")]
@@ -30,7 +31,8 @@ pub enum AgentError {
 /// A client bound to one sandbox.
 #[derive(Debug, Clone)]
 pub struct AgentClient {
-    pub iface: String,
+    /// Interface to bind to (only without a switch).
+    pub iface: Option<String>,
     pub addr: SocketAddr,
 }
 
@@ -74,20 +76,27 @@ pub fn rfc3339_now() -> String {
 }
 
 impl AgentClient {
-    pub fn new(iface: &str, guest_ip: std::net::Ipv4Addr, port: u16) -> AgentClient {
+    /// A client for the agent at `ip:port`; `iface` binds the connection to an interface
+    /// (needed only without a switch, where every sandbox has the same address).
+    pub fn new(ip: std::net::Ipv4Addr, port: u16, iface: Option<&str>) -> AgentClient {
         AgentClient {
-            iface: iface.to_string(),
-            addr: SocketAddr::V4(SocketAddrV4::new(guest_ip, port)),
+            iface: iface.map(str::to_string),
+            addr: SocketAddr::V4(SocketAddrV4::new(ip, port)),
         }
     }
 
     async fn connect(&self) -> Result<tokio::net::TcpStream, AgentError> {
         let ce = |source| AgentError::Connect {
-            iface: self.iface.clone(),
+            addr: match &self.iface {
+                Some(i) => format!("{} via {i}", self.addr),
+                None => self.addr.to_string(),
+            },
             source,
         };
         let s = tokio::net::TcpSocket::new_v4().map_err(ce)?;
-        s.bind_device(Some(self.iface.as_bytes())).map_err(ce)?;
+        if let Some(i) = &self.iface {
+            s.bind_device(Some(i.as_bytes())).map_err(ce)?;
+        }
         let st = s.connect(self.addr).await.map_err(ce)?;
         let _ = st.set_nodelay(true);
         Ok(st)

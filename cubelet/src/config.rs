@@ -30,6 +30,28 @@ pub struct Config {
     pub sandbox: SandboxConfig,
     pub cgroup: CgroupConfig,
     pub pools: PoolConfig,
+    pub network: NetworkConfig,
+    /// cube-vs settings: host address pool, guest identity, pin root, nftables table.
+    pub switch: cube_vs::SwitchConfig,
+}
+
+/// Which switch isolates sandboxes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub enum SwitchKind {
+    /// The eBPF switch: per-sandbox host addresses, isolation, egress policy (the default).
+    #[default]
+    #[serde(rename = "cube-vs")]
+    CubeVs,
+    /// No switch: sandboxes are NOT isolated from the host or each other (development only).
+    #[serde(rename = "none")]
+    None,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct NetworkConfig {
+    /// `"cube-vs"` (default) or `"none"`.
+    pub switch: SwitchKind,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -100,6 +122,8 @@ impl Default for Config {
             sandbox: SandboxConfig::default(),
             cgroup: CgroupConfig::default(),
             pools: PoolConfig::default(),
+            network: NetworkConfig::default(),
+            switch: cube_vs::SwitchConfig::default(),
         }
     }
 }
@@ -199,5 +223,16 @@ mod tests {
         assert_eq!(c.pools.started.get("base"), Some(&2));
         assert!(toml::from_str::<Config>("bogus = 1").is_err());
         assert!(Config::load(Some(Path::new("/nonexistent/cubelet.toml"))).is_err());
+        assert_eq!(c.network.switch, SwitchKind::CubeVs);
+        assert_eq!(c.switch.host_pool.to_string(), "10.233.0.0/16");
+        let c: Config = toml::from_str(
+            "[network]\nswitch = \"none\"\n[switch]\nhost_pool = \"10.9.0.0/24\"\nnft_table = \"t1\"\n",
+        )
+        .unwrap();
+        assert_eq!(c.network.switch, SwitchKind::None);
+        assert_eq!(c.switch.host_pool.to_string(), "10.9.0.0/24");
+        assert!(toml::from_str::<Config>("[network]\nswitch = \"ovs\"").is_err());
+        let round: Config = toml::from_str(&toml::to_string(&Config::default()).unwrap()).unwrap();
+        assert_eq!(round.switch, cube_vs::SwitchConfig::default());
     }
 }

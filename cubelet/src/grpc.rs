@@ -96,7 +96,7 @@ fn sandbox_to(node: &Node, s: &SandboxState) -> pb::Sandbox {
             disk_mib: s.shape.disk_mib,
         }),
         metadata: s.metadata.clone().into_iter().collect(),
-        agent_address: format!("{}:{}", node.identity.guest_ip, node.cfg.sandbox.agent_port),
+        agent_address: node.agent_address(s),
         host_interface: s
             .endpoint
             .as_ref()

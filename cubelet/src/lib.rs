@@ -19,3 +19,4 @@ pub mod server;
 pub mod state;
 pub mod storage;
 pub mod template;
+pub mod vswitch;

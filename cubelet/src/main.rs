@@ -2,7 +2,7 @@
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use cubelet::config::Config;
+use cubelet::config::{Config, SwitchKind};
 use cubelet::template::{BuildEvent, Source, TemplateStore};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -159,8 +159,22 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                     .http_addr
                     .parse()
                     .with_context(|| format!("http_addr {:?}", cfg.http_addr))?;
-                let node =
-                    cubelet::node::Node::start(cfg, Arc::new(cubelet::network::NoSwitch)).await?;
+                let hook: Arc<dyn cubelet::network::NetworkHook> = match cfg.network.switch {
+                    SwitchKind::CubeVs => Arc::new(
+                        cubelet::vswitch::VsHook::open(
+                            cfg.switch.clone(),
+                            cfg.sandbox.agent_port,
+                        )
+                        .context("starting cube-vs (set network.switch = \"none\" to run without isolation)")?,
+                    ),
+                    SwitchKind::None => {
+                        for _ in 0..3 {
+                            tracing::error!("network.switch = \"none\": SANDBOXES ARE NOT ISOLATED. They can reach every host service (this cubelet's gRPC included), each other and the cloud metadata address, and network policies are NOT enforced. Never run untrusted code like this.");
+                        }
+                        Arc::new(cubelet::network::NoSwitch)
+                    }
+                };
+                let node = cubelet::node::Node::start(cfg, hook).await?;
                 node.spawn_refiller();
                 let stop = async {
                     let mut term =

@@ -17,6 +17,13 @@ pub struct Metrics {
     pub create_seconds: HistogramVec,
     /// `cube_sandbox_operations_total{op, result}`.
     pub operations: IntCounterVec,
+    /// `cube_sandbox_net_packets{sandbox, direction}`: packets through the switch port
+    /// (direction `from_guest` or `to_guest`), read from cube-vs at scrape time.
+    pub net_packets: IntGaugeVec,
+    /// `cube_sandbox_net_bytes{sandbox, direction}`.
+    pub net_bytes: IntGaugeVec,
+    /// `cube_sandbox_net_drops{sandbox, direction}`: packets the switch dropped.
+    pub net_drops: IntGaugeVec,
 }
 
 impl Metrics {
@@ -56,12 +63,31 @@ impl Metrics {
             &["op", "result"],
         )
         .expect("static metric");
+        let net = |name: &str, help: &str| {
+            IntGaugeVec::new(Opts::new(name, help), &["sandbox", "direction"])
+                .expect("static metric")
+        };
+        let net_packets = net(
+            "cube_sandbox_net_packets",
+            "Packets through a sandbox's switch port",
+        );
+        let net_bytes = net(
+            "cube_sandbox_net_bytes",
+            "Bytes through a sandbox's switch port",
+        );
+        let net_drops = net(
+            "cube_sandbox_net_drops",
+            "Packets the switch dropped on a sandbox's port",
+        );
         for c in [
             Box::new(pool_ready.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(pool_target.clone()),
             Box::new(sandboxes.clone()),
             Box::new(create_seconds.clone()),
             Box::new(operations.clone()),
+            Box::new(net_packets.clone()),
+            Box::new(net_bytes.clone()),
+            Box::new(net_drops.clone()),
         ] {
             registry.register(c).expect("unique metric names");
         }
@@ -72,6 +98,9 @@ impl Metrics {
             sandboxes,
             create_seconds,
             operations,
+            net_packets,
+            net_bytes,
+            net_drops,
         }
     }
 

@@ -1,10 +1,11 @@
 //! Per-sandbox network endpoints for the namespace runtime: a network namespace (bind-mounted
 //! under the run directory so it outlives its processes) and a veth pair whose guest end is
-//! `eth0` with the fixed guest identity, and whose host end carries the gateway identity.
+//! `eth0` with the fixed guest identity, and whose host end has the gateway MAC (and, only
+//! without a switch, the gateway address).
 //!
-//! cube-vs plugs in through [`NetworkHook`]: it is called after the veth exists and before the
-//! endpoint is handed to a sandbox, when a policy is applied, and before the endpoint is torn
-//! down.
+//! cube-vs plugs in through [`NetworkHook`] (implemented in `crate::vswitch`): it is called
+//! after the veth exists and before the endpoint is handed to a sandbox, when a policy is
+//! applied, and before the endpoint is torn down.
 
 use futures::TryStreamExt;
 use netlink_packet_route::link::LinkAttribute;
@@ -80,23 +81,46 @@ pub struct Policy {
     pub exposed_ports: Vec<u16>,
 }
 
-/// Where cube-vs plugs in. Every method runs off the create hot path except `apply_policy`,
-/// which must be cheap (map updates).
+/// Where the switch (cube-vs) plugs in. Every method runs off the create hot path except
+/// `apply_policy`, which must be cheap (map updates and one route).
 pub trait NetworkHook: Send + Sync + 'static {
+    /// Whether sandboxes get isolated, per-sandbox host addresses. When false (no switch), the
+    /// host end of every veth carries the gateway address and the host reaches a sandbox by
+    /// binding to its interface (SO_BINDTODEVICE).
+    fn isolates(&self) -> bool {
+        false
+    }
     /// After the veth pair exists and is configured, before the endpoint enters a pool or is
     /// handed to a sandbox (attach programs here).
     fn endpoint_created(&self, _ep: &Endpoint) -> Result<(), String> {
         Ok(())
     }
-    /// When a sandbox claims the endpoint (write its policy and exposed ports).
-    fn apply_policy(&self, _ep: &Endpoint, _policy: &Policy) -> Result<(), String> {
-        Ok(())
+    /// When a sandbox (or a pre-started pool entry) claims the endpoint: bind it with its
+    /// policy and exposed ports. Returns the sandbox's host address (the same one when the
+    /// endpoint is already bound); `None` without a switch.
+    fn apply_policy(&self, _ep: &Endpoint, _policy: &Policy) -> Result<Option<Ipv4Addr>, String> {
+        Ok(None)
     }
-    /// Before the veth is deleted (remove per-interface state).
+    /// Before the veth is deleted (unbind, detach, release the host address).
     fn endpoint_released(&self, _ep: &Endpoint) {}
+    /// After crash recovery, with the endpoints of the re-adopted sandboxes (and the host
+    /// address and policy each had on record): keep those bound with the same addresses,
+    /// release everything else the switch still holds. Returns the host address of each live
+    /// endpoint by interface index (a sandbox recorded without one may have got one).
+    fn readopt(
+        &self,
+        _live: &[(Endpoint, Option<Ipv4Addr>, Policy)],
+    ) -> Result<std::collections::HashMap<u32, Ipv4Addr>, String> {
+        Ok(Default::default())
+    }
+    /// Packet, byte and drop counters of an endpoint.
+    fn counters(&self, _ep: &Endpoint) -> Option<cube_vs::Counters> {
+        None
+    }
 }
 
-/// No switch: policy is recorded but not enforced (until cube-vs is integrated).
+/// No switch: policy is recorded but NOT enforced, and sandboxes can reach the host
+/// (`network.switch = "none"`; cubelet logs a loud warning).
 pub struct NoSwitch;
 impl NetworkHook for NoSwitch {}
 
@@ -297,19 +321,24 @@ impl Network {
             .await
             .map_err(nl("default route"))?;
         drop(nsh);
-        // Host side: gateway identity. Every host end has the same address; the host reaches a
-        // given sandbox by binding its socket to the interface (SO_BINDTODEVICE).
+        // Host side: the gateway MAC, and no address when a switch isolates sandboxes: the
+        // switch answers ARP for the gateway and routes the sandbox's own host address to this
+        // interface, so nothing on the host is reachable through an address of this link.
+        // Without a switch every host end has the gateway address and the host reaches a given
+        // sandbox by binding its socket to the interface (SO_BINDTODEVICE).
         h.link()
             .set(host_idx)
             .address(id.gateway_mac.to_vec())
             .execute()
             .await
             .map_err(nl("set gateway mac"))?;
-        h.address()
-            .add(host_idx, IpAddr::V4(id.gateway_ip), id.prefix_len)
-            .execute()
-            .await
-            .map_err(nl("gateway address"))?;
+        if !self.hook.isolates() {
+            h.address()
+                .add(host_idx, IpAddr::V4(id.gateway_ip), id.prefix_len)
+                .execute()
+                .await
+                .map_err(nl("gateway address"))?;
+        }
         h.link()
             .set(host_idx)
             .up()

@@ -92,6 +92,11 @@ pub struct SandboxState {
     pub created_at_ms: u64,
     pub create_latency_us: u64,
     pub from_pool: bool,
+    /// The sandbox's node-local host address (cube-vs); absent without a switch and in state
+    /// files written before the switch was integrated (the field is optional, so version 1
+    /// files stay readable).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_addr: Option<std::net::Ipv4Addr>,
 }
 
 /// A create request, already decoded from gRPC.
@@ -214,7 +219,15 @@ impl Node {
             &cfg.agent_binary,
         )?;
         let cg = Cgroups::detect(&cfg.cgroup.root, &cfg.cgroup.parent).context("cgroups")?;
-        let identity = GuestIdentity::default();
+        // One guest identity for the whole node: the switch's (`[switch.guest]`).
+        let g = &cfg.switch.guest;
+        let identity = GuestIdentity {
+            guest_ip: g.guest_ip,
+            gateway_ip: g.gateway_ip,
+            prefix_len: g.prefix_len,
+            guest_mac: g.guest_mac.0,
+            gateway_mac: g.gateway_mac.0,
+        };
         let net =
             Network::new(&cfg.run_dir.join("netns"), identity.clone(), hook).context("netlink")?;
         // Sandbox inits are double-forked: become their reaper so they do not linger as zombies.
@@ -256,6 +269,40 @@ impl Node {
             refiller: Mutex::new(None),
         });
         node.recover().await;
+        let live: Vec<(Endpoint, Option<std::net::Ipv4Addr>, Policy)> = node
+            .list()
+            .await
+            .into_iter()
+            .filter_map(|s| s.endpoint.map(|ep| (ep, s.host_addr, s.policy)))
+            .collect();
+        let addrs = node
+            .net
+            .hook()
+            .readopt(&live)
+            .map_err(|e| anyhow::anyhow!("re-adopting the switch state: {e}"))?;
+        // Record addresses the switch assigned during re-adoption (state written without one).
+        let entries: Vec<Entry> = node
+            .registry
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .cloned()
+            .collect();
+        for e in entries {
+            let mut st = e.lock().await;
+            let Some(idx) = st.endpoint.as_ref().map(|ep| ep.host_ifindex) else {
+                continue;
+            };
+            if let Some(&a) = addrs.get(&idx) {
+                if st.host_addr != Some(a) {
+                    st.host_addr = Some(a);
+                    let id = st.id.clone();
+                    if let Err(e) = node.save(&id, &st) {
+                        tracing::error!(id, error = %e, "recording re-adopted host address");
+                    }
+                }
+            }
+        }
         Ok(node)
     }
 
@@ -465,12 +512,27 @@ impl Node {
         }
     }
 
-    fn agent(&self, ep: &Endpoint) -> crate::agent::AgentClient {
-        crate::agent::AgentClient::new(
-            &ep.host_if,
-            self.identity.guest_ip,
-            self.cfg.sandbox.agent_port,
-        )
+    /// The agent of a sandbox: at its host address when the switch gave it one, else (no
+    /// switch) at the fixed guest address through its host interface.
+    fn agent(
+        &self,
+        ep: &Endpoint,
+        host_addr: Option<std::net::Ipv4Addr>,
+    ) -> crate::agent::AgentClient {
+        match host_addr {
+            Some(a) => crate::agent::AgentClient::new(a, self.cfg.sandbox.agent_port, None),
+            None => crate::agent::AgentClient::new(
+                self.identity.guest_ip,
+                self.cfg.sandbox.agent_port,
+                Some(&ep.host_if),
+            ),
+        }
+    }
+
+    /// The address the edge reaches a sandbox's agent at.
+    pub fn agent_address(&self, st: &SandboxState) -> String {
+        let ip = st.host_addr.unwrap_or(self.identity.guest_ip);
+        format!("{ip}:{}", self.cfg.sandbox.agent_port)
     }
 
     /// Number of sandboxes (not counting pool entries).
@@ -505,6 +567,7 @@ impl Node {
             created_at_ms: crate::template::now_ms(),
             create_latency_us: 0,
             from_pool: false,
+            host_addr: None,
         }));
         let mut guard = entry.clone().lock_owned().await;
         {
@@ -583,6 +646,7 @@ impl Node {
             st.pid = p.pid;
             st.pid_start = p.pid_start;
             st.endpoint = p.endpoint.clone();
+            st.host_addr = p.host_addr;
             st.from_pool = true;
             self.save(&req.id, st)?;
             self.cg
@@ -629,11 +693,16 @@ impl Node {
             .endpoint
             .clone()
             .ok_or_else(|| NodeError::Internal("sandbox has no network endpoint".into()))?;
-        self.net
+        let addr = self
+            .net
             .hook()
             .apply_policy(&ep, &st.policy)
             .map_err(internal("network policy"))?;
-        let agent = self.agent(&ep);
+        if addr != st.host_addr {
+            st.host_addr = addr;
+            self.save(&req.id, st)?;
+        }
+        let agent = self.agent(&ep, st.host_addr);
         let timeout = Duration::from_millis(u64::from(if req.ready_timeout_ms == 0 {
             self.cfg.sandbox.ready_timeout_ms
         } else {
@@ -1160,6 +1229,7 @@ impl Node {
             created_at_ms: crate::template::now_ms(),
             create_latency_us: 0,
             from_pool: true,
+            host_addr: None,
         };
         let r: Result<(), NodeError> = async {
             std::fs::create_dir(&paths.dir).map_err(|e| NodeError::Internal(e.to_string()))?;
@@ -1186,8 +1256,15 @@ impl Node {
             st.pid = pid;
             st.pid_start = start;
             st.phase = Phase::Pooled;
+            // Bound with the default (no internet) policy until a create claims it, so its
+            // agent can be health-checked at its host address.
+            st.host_addr = self
+                .net
+                .hook()
+                .apply_policy(&ep, &Policy::default())
+                .map_err(internal("network policy"))?;
             self.save(&dirname, &st)?;
-            self.agent(&ep)
+            self.agent(&ep, st.host_addr)
                 .wait_healthy(Duration::from_millis(u64::from(
                     self.cfg.sandbox.ready_timeout_ms,
                 )))
@@ -1307,6 +1384,36 @@ impl Node {
 
     pub fn sandboxes_dir(&self) -> &Path {
         &self.sandboxes_dir
+    }
+
+    /// The metrics text, with per-sandbox switch counters refreshed.
+    pub fn render_metrics(&self) -> String {
+        let entries: Vec<Entry> = self
+            .registry
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .cloned()
+            .collect();
+        let m = &self.metrics;
+        // Reset so that killed sandboxes disappear from the exposition.
+        m.net_packets.reset();
+        m.net_bytes.reset();
+        m.net_drops.reset();
+        for e in entries {
+            let Ok(st) = e.try_lock() else { continue };
+            let Some(ep) = &st.endpoint else { continue };
+            let Some(c) = self.net.hook().counters(ep) else {
+                continue;
+            };
+            for (dir, d) in [("from_guest", c.from_guest), ("to_guest", c.to_guest)] {
+                let l = [st.id.as_str(), dir];
+                m.net_packets.with_label_values(&l).set(d.packets as i64);
+                m.net_bytes.with_label_values(&l).set(d.bytes as i64);
+                m.net_drops.with_label_values(&l).set(d.drops as i64);
+            }
+        }
+        m.render()
     }
 
     /// Memory charged to a sandbox's cgroup.

@@ -29,7 +29,7 @@ pub async fn serve(
                 async move {
                     (
                         [("content-type", "text/plain; version=0.0.4")],
-                        n.metrics.render(),
+                        n.render_metrics(),
                     )
                 }
             }),

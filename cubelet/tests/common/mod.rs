@@ -13,7 +13,7 @@ pub const CUBELET: &str = env!("CARGO_BIN_EXE_cubelet");
 
 static SEQ: AtomicU32 = AtomicU32::new(0);
 
-/// Finds a cube-agent binary: $CUBE_AGENT_BIN, the agent engineer's build, or ours.
+/// Finds a cube-agent binary: $CUBE_AGENT_BIN, else the workspace's debug build.
 pub fn agent_binary() -> PathBuf {
     let mut cands: Vec<PathBuf> = Vec::new();
     if let Ok(p) = std::env::var("CUBE_AGENT_BIN") {
@@ -22,8 +22,7 @@ pub fn agent_binary() -> PathBuf {
     if let Ok(t) = std::env::var("CARGO_TARGET_DIR") {
         cands.push(Path::new(&t).join("debug/cube-agent"));
     }
-    cands.push("/var/tmp/tgt-cubelet/debug/cube-agent".into());
-    cands.push("/var/tmp/tgt-agent/debug/cube-agent".into());
+    cands.push(Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug/cube-agent"));
     for c in &cands {
         if c.exists() {
             return c.clone();
@@ -65,6 +64,11 @@ pub struct Cubelet {
     pub http: String,
     pub child: Option<Child>,
     pub cgroup_parent: String,
+    /// The switch's pin root (a bpffs of its own), nftables table and host address pool.
+    pub pin_root: PathBuf,
+    pub nft_table: String,
+    pub host_pool: String,
+    pub switch: bool,
 }
 
 #[derive(Default)]
@@ -75,7 +79,15 @@ pub struct Opts {
     pub disk_pool: u32,
     pub started: u32,
     pub max_sandboxes: u32,
+    /// gRPC on 0.0.0.0 instead of 127.0.0.1 (so a sandbox could try to reach it).
+    pub grpc_any: bool,
+    /// `network.switch = "none"`.
+    pub no_switch: bool,
 }
+
+/// Programs of the `mini` template (the defaults plus netcat and timeout for network tests).
+pub const MINI_PROGRAMS: &str =
+    "sh,bash,cat,echo,ls,sleep,mkdir,rm,id,env,touch,sync,true,false,head,grep,nc,timeout";
 
 impl Cubelet {
     /// Prepares directories, config and the `mini` template (built from host binaries).
@@ -92,8 +104,14 @@ impl Cubelet {
         } else {
             String::new()
         };
+        // A host pool of its own per cubelet: tests run in parallel in the host namespace, and
+        // two switches handing out the same address would fight over its route.
+        let pool_octet = (std::process::id().wrapping_mul(31).wrapping_add(n * 97)) % 254 + 1;
+        let host_pool = format!("10.239.{pool_octet}.0/24");
+        let pin_root = PathBuf::from(format!("/tmp/cubelet-bpf-{name}"));
+        let nft_table = format!("cube_t_{name}");
         let cfg = format!(
-            r#"grpc_addr = "127.0.0.1:{g}"
+            r#"grpc_addr = "{gip}:{g}"
 http_addr = "127.0.0.1:{h}"
 data_dir = "{root}/data"
 run_dir = "{root}/run"
@@ -113,9 +131,18 @@ network = {net}
 disks = {disks}
 disk_templates = [{dt}]
 refill_interval_ms = 50
+[network]
+switch = "{switch}"
+[switch]
+host_pool = "{host_pool}"
+pin_root = "{pin}"
+nft_table = "{nft_table}"
 [pools.started]
 {started}
 "#,
+            gip = if o.grpc_any { "0.0.0.0" } else { "127.0.0.1" },
+            switch = if o.no_switch { "none" } else { "cube-vs" },
+            pin = pin_root.display(),
             root = root.display(),
             cache = if o.shared_cache {
                 "/var/cache/cube/templates".to_string()
@@ -138,9 +165,19 @@ refill_interval_ms = 50
             http: format!("127.0.0.1:{h}"),
             child: None,
             cgroup_parent,
+            pin_root,
+            nft_table,
+            host_pool,
+            switch: !o.no_switch,
         };
         let host = root.join("hostroot");
-        run_ok(Command::new(CUBELET).arg("host-root").arg(&host));
+        run_ok(
+            Command::new(CUBELET)
+                .arg("host-root")
+                .arg(&host)
+                .arg("--programs")
+                .arg(MINI_PROGRAMS),
+        );
         std::fs::write(host.join("marker"), b"mini template\n").unwrap();
         c.cli(&["build-template", "mini", "--dir", host.to_str().unwrap()]);
         c
@@ -271,11 +308,95 @@ refill_interval_ms = 50
                 v.push(format!("loop {l}"));
             }
         }
+        v.extend(self.switch_leftovers());
         let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
         let data_mount = format!(" {} ", self.data().display());
         for m in mounts.lines() {
             if m.contains(self.root.to_str().unwrap()) && !m.contains(&data_mount) {
                 v.push(format!("mount {m}"));
+            }
+        }
+        v
+    }
+
+    /// Switch state this cubelet's sandboxes could have left: host routes into its pool, and
+    /// entries in the pinned per-port maps (ports, policy, exposed ports, stats).
+    pub fn switch_leftovers(&self) -> Vec<String> {
+        let mut v = Vec::new();
+        let routes = Command::new("ip")
+            .args(["-4", "route", "show", "root", &self.host_pool])
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default();
+        for r in routes.lines().filter(|l| !l.trim().is_empty()) {
+            v.push(format!("route {r}"));
+        }
+        for m in ["cvs_ports", "cvs_policy", "cvs_exposed", "cvs_stats"] {
+            let n = self.switch_map_keys(m).len();
+            if n > 0 {
+                v.push(format!("{n} entries in switch map {m}"));
+            }
+        }
+        v
+    }
+
+    /// Raw keys of a pinned switch map; empty when the map is not there.
+    pub fn switch_map_keys(&self, map: &str) -> Vec<Vec<u8>> {
+        let path = self.pin_root.join("maps").join(map);
+        if !path.exists() {
+            return vec![];
+        }
+        let out = Command::new("bpftool")
+            .args(["-j", "map", "dump", "pinned"])
+            .arg(&path)
+            .output()
+            .expect("bpftool");
+        let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+            panic!(
+                "bpftool dump of {map}: {e}: {}",
+                String::from_utf8_lossy(&out.stdout)
+            )
+        });
+        j.as_array()
+            .cloned()
+            .unwrap_or_default()
+            .iter()
+            .map(|e| {
+                e["key"]
+                    .as_array()
+                    .map(|a| {
+                        a.iter()
+                            .filter_map(|b| {
+                                b.as_str().and_then(|s| {
+                                    u8::from_str_radix(s.trim_start_matches("0x"), 16).ok()
+                                })
+                            })
+                            .collect()
+                    })
+                    .unwrap_or_default()
+            })
+            .collect()
+    }
+
+    /// Whether any per-port switch map still has an entry for `ifindex` (the LPM policy key
+    /// starts with its prefix length, the others with the ifindex).
+    pub fn switch_has_port(&self, ifindex: u32) -> Vec<String> {
+        let le = ifindex.to_le_bytes();
+        let mut v = Vec::new();
+        for (m, off) in [
+            ("cvs_ports", 0),
+            ("cvs_stats", 0),
+            ("cvs_exposed", 0),
+            ("cvs_policy", 4),
+            ("cvs_flows", 0),
+        ] {
+            let n = self
+                .switch_map_keys(m)
+                .iter()
+                .filter(|k| k.len() >= off + 4 && k[off..off + 4] == le)
+                .count();
+            if n > 0 {
+                v.push(format!("{n} entries for ifindex {ifindex} in {m}"));
             }
         }
         v
@@ -331,6 +452,17 @@ impl Drop for Cubelet {
             }
         }
         let _ = cubelet::storage::unmount(&self.data());
+        // The switch's node-level state (programs, maps, masquerade table) outlives a cubelet by
+        // design; a test node is decommissioned here.
+        let _ = Command::new("nft")
+            .args(["delete", "table", "ip", &self.nft_table])
+            .stderr(Stdio::null())
+            .status();
+        if let Ok(c) = std::ffi::CString::new(self.pin_root.to_str().unwrap()) {
+            // SAFETY: detach the bpffs the switch mounted at our own pin root.
+            unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+        }
+        let _ = std::fs::remove_dir_all(&self.pin_root);
         if !std::thread::panicking() {
             let _ = std::fs::remove_dir_all(&self.root);
         }
@@ -363,13 +495,20 @@ pub fn create_req(id: &str) -> pb::CreateSandboxRequest {
     }
 }
 
-/// An agent client for a sandbox the gRPC answer describes.
+/// The sandbox's agent address (`host address:49983` with cube-vs).
+pub fn agent_addr(sb: &pb::Sandbox) -> std::net::SocketAddrV4 {
+    sb.agent_address
+        .parse()
+        .unwrap_or_else(|e| panic!("agent address {:?}: {e}", sb.agent_address))
+}
+
+/// An agent client for a sandbox the gRPC answer describes: at its host address, or (no
+/// switch) at the fixed guest address through its host interface.
 pub fn agent_for(sb: &pb::Sandbox) -> cubelet::agent::AgentClient {
-    cubelet::agent::AgentClient::new(
-        &sb.host_interface,
-        std::net::Ipv4Addr::new(169, 254, 77, 2),
-        49983,
-    )
+    let a = agent_addr(sb);
+    let guest = std::net::Ipv4Addr::new(169, 254, 77, 2);
+    let iface = (*a.ip() == guest).then_some(sb.host_interface.as_str());
+    cubelet::agent::AgentClient::new(*a.ip(), a.port(), iface)
 }
 
 /// Runs `sh -c script` in the sandbox; returns (exit code, stdout).

@@ -1,0 +1,296 @@
+//! The cube-vs switch behind cubelet's [`NetworkHook`]: ports are attached at pool-fill time,
+//! bound to a per-sandbox host address from the node-local pool (plus egress policy and exposed
+//! ports) when a sandbox claims its endpoint, and unbound, detached and their address released
+//! when the endpoint goes. The switch's maps and filters are pinned, so a killed cubelet leaves
+//! enforcement in place; the next one re-adopts it ([`NetworkHook::readopt`]).
+
+use crate::network::{Endpoint, NetworkHook, Policy};
+use cube_vs::{AddrPool, EgressPolicy, Ipv4Cidr, Port, SandboxNet, Switch, SwitchConfig};
+use std::collections::HashMap;
+use std::net::Ipv4Addr;
+use std::sync::Mutex;
+
+struct Inner {
+    sw: Switch,
+    pool: AddrPool,
+    /// ifindex → host address of every bound port.
+    bound: HashMap<u32, Ipv4Addr>,
+}
+
+/// [`NetworkHook`] backed by a [`cube_vs::Switch`].
+pub struct VsHook {
+    inner: Mutex<Inner>,
+    /// Guest ports the edge may always open (envd, the code interpreter, the agent's port).
+    base_ports: Vec<u16>,
+}
+
+fn port_of(ep: &Endpoint) -> Port {
+    Port {
+        ifindex: ep.host_ifindex,
+        ifname: ep.host_if.clone(),
+    }
+}
+
+/// Translates cubelet's policy record into the switch's. IPv6 entries are skipped: the switch
+/// drops all IPv6, so an IPv6 deny is already in force and an IPv6 allow cannot be honoured.
+pub fn egress_policy(p: &Policy) -> Result<EgressPolicy, String> {
+    let parse = |v: &[String]| -> Result<Vec<Ipv4Cidr>, String> {
+        let mut out = Vec::new();
+        for c in v {
+            if c.contains(':') {
+                tracing::warn!(cidr = %c, "IPv6 policy entry ignored: sandboxes have no IPv6");
+                continue;
+            }
+            out.push(
+                c.parse::<Ipv4Cidr>()
+                    .map_err(|e| format!("policy entry {c:?}: {e}"))?,
+            );
+        }
+        Ok(out)
+    };
+    Ok(EgressPolicy {
+        internet: p.internet,
+        allow: parse(&p.allow_cidrs)?,
+        deny: parse(&p.deny_cidrs)?,
+        dns_resolver: None,
+    })
+}
+
+impl VsHook {
+    /// Opens (or re-adopts) the switch. `agent_port` is always exposed besides
+    /// [`cube_vs::DEFAULT_EXPOSED_PORTS`].
+    pub fn open(cfg: SwitchConfig, agent_port: u16) -> Result<VsHook, cube_vs::Error> {
+        let pool = AddrPool::new(cfg.host_pool)?;
+        let sw = Switch::open(cfg)?;
+        let mut base_ports = cube_vs::DEFAULT_EXPOSED_PORTS.to_vec();
+        if !base_ports.contains(&agent_port) {
+            base_ports.push(agent_port);
+        }
+        Ok(VsHook {
+            inner: Mutex::new(Inner {
+                sw,
+                pool,
+                bound: HashMap::new(),
+            }),
+            base_ports,
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn net(&self, addr: Ipv4Addr, policy: &Policy) -> Result<SandboxNet, String> {
+        let mut ports = self.base_ports.clone();
+        ports.extend(policy.exposed_ports.iter().copied());
+        ports.sort_unstable();
+        ports.dedup();
+        Ok(SandboxNet {
+            host_addr: addr,
+            policy: egress_policy(policy)?,
+            exposed_ports: ports,
+        })
+    }
+
+    /// Addresses in use (for tests and diagnostics).
+    pub fn addresses_in_use(&self) -> Vec<Ipv4Addr> {
+        self.lock().pool.in_use()
+    }
+}
+
+impl NetworkHook for VsHook {
+    fn isolates(&self) -> bool {
+        true
+    }
+
+    fn endpoint_created(&self, ep: &Endpoint) -> Result<(), String> {
+        let port = self
+            .lock()
+            .sw
+            .attach(&ep.host_if)
+            .map_err(|e| format!("attaching cube-vs to {}: {e}", ep.host_if))?;
+        if port.ifindex != ep.host_ifindex {
+            return Err(format!(
+                "{} has index {} (expected {})",
+                ep.host_if, port.ifindex, ep.host_ifindex
+            ));
+        }
+        Ok(())
+    }
+
+    fn apply_policy(&self, ep: &Endpoint, policy: &Policy) -> Result<Option<Ipv4Addr>, String> {
+        let port = port_of(ep);
+        let mut g = self.lock();
+        if let Some(&addr) = g.bound.get(&ep.host_ifindex) {
+            // Already bound (a pre-started sandbox being claimed): same address, new rules.
+            let net = self.net(addr, policy)?;
+            g.sw.set_policy(&port, &net.policy)
+                .map_err(|e| format!("policy of {}: {e}", ep.host_if))?;
+            g.sw.set_exposed_ports(&port, &net.exposed_ports)
+                .map_err(|e| format!("exposed ports of {}: {e}", ep.host_if))?;
+            return Ok(Some(addr));
+        }
+        let addr = g.pool.allocate().map_err(|e| e.to_string())?;
+        let r = self
+            .net(addr, policy)
+            .and_then(|net| g.sw.bind(&port, &net).map_err(|e| e.to_string()));
+        match r {
+            Ok(()) => {
+                g.bound.insert(ep.host_ifindex, addr);
+                Ok(Some(addr))
+            }
+            Err(e) => {
+                g.pool.release(addr);
+                Err(format!("binding {} to {addr}: {e}", ep.host_if))
+            }
+        }
+    }
+
+    fn endpoint_released(&self, ep: &Endpoint) {
+        if ep.host_ifindex == 0 {
+            return;
+        }
+        let port = port_of(ep);
+        let mut g = self.lock();
+        if let Some(a) = g.bound.remove(&ep.host_ifindex) {
+            g.pool.release(a);
+        }
+        match g.sw.unbind(&port) {
+            Ok(Some(a)) => {
+                g.pool.release(a);
+            }
+            Ok(None) | Err(cube_vs::Error::NotAttached(_)) => {}
+            Err(e) => tracing::error!(host_if = %ep.host_if, error = %e, "cube-vs unbind"),
+        }
+        match g.sw.detach(&port) {
+            Ok(()) | Err(cube_vs::Error::NotAttached(_)) => {}
+            Err(e) => tracing::error!(host_if = %ep.host_if, error = %e, "cube-vs detach"),
+        }
+    }
+
+    fn readopt(
+        &self,
+        live: &[(Endpoint, Option<Ipv4Addr>, Policy)],
+    ) -> Result<HashMap<u32, Ipv4Addr>, String> {
+        let mut g = self.lock();
+        let adopted: HashMap<u32, Option<Ipv4Addr>> =
+            g.sw.adopt_existing()
+                .into_iter()
+                .map(|p| (p.port.ifindex, p.host_addr))
+                .collect();
+        let mut keep = std::collections::HashSet::new();
+        // Reserve every recorded address first, so a rebind below cannot take one of them.
+        for (_, addr, _) in live {
+            if let Some(a) = addr {
+                if let Err(e) = g.pool.mark_in_use(*a) {
+                    tracing::warn!(addr = %a, error = %e, "recorded host address is not in the pool");
+                }
+            }
+        }
+        for (ep, addr, policy) in live {
+            keep.insert(ep.host_ifindex);
+            let port = port_of(ep);
+            match (adopted.get(&ep.host_ifindex).copied().flatten(), addr) {
+                (Some(found), Some(rec)) if found == *rec => {
+                    g.bound.insert(ep.host_ifindex, found);
+                }
+                (found, rec) => {
+                    // The pinned state lost this port (or disagrees with our record): put it
+                    // back with the recorded address, so the sandbox keeps its identity. A
+                    // failure costs this sandbox its network, not the node its daemon.
+                    tracing::warn!(host_if = %ep.host_if, ?found, ?rec, "re-binding sandbox port");
+                    let r = (|| -> Result<Ipv4Addr, String> {
+                        g.sw.attach(&ep.host_if)
+                            .map_err(|e| format!("re-attaching {}: {e}", ep.host_if))?;
+                        let a = match rec {
+                            Some(a) => *a,
+                            None => g.pool.allocate().map_err(|e| e.to_string())?,
+                        };
+                        let net = self.net(a, policy)?;
+                        g.sw.bind(&port, &net)
+                            .map_err(|e| format!("re-binding {}: {e}", ep.host_if))?;
+                        Ok(a)
+                    })();
+                    match r {
+                        Ok(a) => {
+                            g.bound.insert(ep.host_ifindex, a);
+                        }
+                        Err(e) => {
+                            tracing::error!(host_if = %ep.host_if, error = %e, "sandbox has no network after re-adoption")
+                        }
+                    }
+                }
+            }
+        }
+        // Ports no live sandbox owns: pool entries and sandboxes reaped while we were down.
+        for (&ifindex, &addr) in &adopted {
+            if keep.contains(&ifindex) {
+                continue;
+            }
+            let ifname = cube_vs_ifname(ifindex);
+            tracing::info!(
+                ifindex,
+                ?ifname,
+                ?addr,
+                "releasing switch port no sandbox owns"
+            );
+            let port = Port {
+                ifindex,
+                ifname: ifname.unwrap_or_default(),
+            };
+            if let Err(e) = g.sw.detach(&port) {
+                tracing::warn!(ifindex, error = %e, "detaching stale port");
+            }
+            if let Some(a) = addr {
+                g.pool.release(a);
+            }
+        }
+        tracing::info!(
+            sandboxes = live.len(),
+            addresses = g.pool.used(),
+            "cube-vs state re-adopted"
+        );
+        Ok(g.bound.clone())
+    }
+
+    fn counters(&self, ep: &Endpoint) -> Option<cube_vs::Counters> {
+        self.lock().sw.counters(ep.host_ifindex).ok()
+    }
+}
+
+fn cube_vs_ifname(ifindex: u32) -> Option<String> {
+    let mut buf = [0 as libc::c_char; libc::IF_NAMESIZE];
+    // SAFETY: buf has IF_NAMESIZE bytes as if_indextoname requires.
+    let p = unsafe { libc::if_indextoname(ifindex, buf.as_mut_ptr()) };
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: if_indextoname wrote a NUL-terminated string into buf.
+    let s = unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) };
+    Some(s.to_string_lossy().into_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn policy_translation() {
+        let p = Policy {
+            internet: false,
+            allow_cidrs: vec!["198.18.0.1/32".into(), "fd00::/8".into()],
+            deny_cidrs: vec!["8.8.0.0/16".into()],
+            exposed_ports: vec![8080],
+        };
+        let e = egress_policy(&p).unwrap();
+        assert!(!e.internet);
+        assert_eq!(e.allow.len(), 1);
+        assert_eq!(e.allow[0].to_string(), "198.18.0.1/32");
+        assert_eq!(e.deny[0].to_string(), "8.8.0.0/16");
+        let bad = Policy {
+            allow_cidrs: vec!["1.2.3.4/99".into()],
+            ..Default::default()
+        };
+        assert!(egress_policy(&bad).is_err());
+    }
+}
