@@ -2,19 +2,29 @@
 //! rebuild them: each device's state is stored in the snapshot under its name
 //! ([`cube_hypervisor::DeviceStates`]) and comes back at a fixed MMIO window and GSI.
 //!
-//! | name          | MMIO window   | GSI | backend on restore          |
-//! |---------------|---------------|-----|-----------------------------|
-//! | `virtio-blk`  | `0xc000_0000` | 5   | `disk` (file, read-write)   |
+//! | name           | MMIO window   | GSI | backend on restore / resume                     |
+//! |----------------|---------------|-----|-------------------------------------------------|
+//! | `virtio-blk`   | `0xc000_0000` | 5   | `disk` (file, read-write)                       |
+//! | `virtio-net`   | `0xc000_1000` | 6   | `tap` (interface name, opened `IFF_TAP\|IFF_NO_PI`) |
+//! | `virtio-vsock` | `0xc000_2000` | 7   | `vsock` (host unix socket path, bound by the shim) |
 //!
-//! `virtio-net` (tap) and `virtio-vsock` (host socket) are not rebuilt yet: a snapshot
-//! carrying them is refused with `unsupported`.
+//! Every device is optional; a snapshot's devices and the request's backends must match one
+//! to one. The net and vsock devices get a [`BackendWorker`] thread that moves host input
+//! (tap frames, host connections) into the guest; it is parked while the VM is paused,
+//! snapshotted or paused to disk, so device state is taken while nothing touches it.
+//!
+//! The tap carries bare ethernet frames (no `IFF_VNET_HDR`): the net device offers no
+//! offloads and writes/reads one frame per `write`/`read`, adding and stripping the
+//! `virtio_net_hdr` itself. Vsock connections are not carried across a snapshot (the guest
+//! gets a transport reset); the guest CID and MAC are.
 
-use std::path::Path;
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use cube_hypervisor::devices::irq::IrqLine;
 use cube_hypervisor::devices::virtio::{
-    Block, BlockState, MmioState, MmioTransport, MMIO_WINDOW_SIZE,
+    BackendWorker, Block, MmioState, MmioTransport, Net, VirtioDevice, Vsock, MMIO_WINDOW_SIZE,
 };
 use cube_hypervisor::{DeviceStates, Snapshot, Vm};
 
@@ -24,49 +34,187 @@ pub const BLOCK_NAME: &str = "virtio-blk";
 pub const BLOCK_MMIO_BASE: u64 = 0xc000_0000;
 pub const BLOCK_GSI: u32 = 5;
 
+pub const NET_NAME: &str = "virtio-net";
+pub const NET_MMIO_BASE: u64 = 0xc000_1000;
+pub const NET_GSI: u32 = 6;
+
+pub const VSOCK_NAME: &str = "virtio-vsock";
+pub const VSOCK_MMIO_BASE: u64 = 0xc000_2000;
+pub const VSOCK_GSI: u32 = 7;
+
+/// Longest interface name the kernel accepts (`IFNAMSIZ` − 1).
+const MAX_IFNAME: usize = 15;
+/// `sun_path` size: the vsock socket path (and `<path>_<port>`) must fit in it.
+const MAX_SOCKET_PATH: usize = 108;
+
 /// Devices attached to the running VM (kept to save their state in snapshots).
+///
+/// Field order matters: the workers are dropped (stopped and joined) before the transports.
 #[derive(Default)]
 pub struct Devices {
+    workers: Vec<BackendWorker>,
     block: Option<Arc<Mutex<MmioTransport<Block>>>>,
+    net: Option<Arc<Mutex<MmioTransport<Net>>>>,
+    vsock: Option<Arc<Mutex<MmioTransport<Vsock>>>>,
 }
 
 fn bad(kind: ErrorKind, msg: impl Into<String>) -> ErrorReply {
     ErrorReply::new(kind, msg)
 }
 
+/// Backends named in a restore / resume request.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct BackendNames<'a> {
+    pub disk: Option<&'a Path>,
+    pub tap: Option<&'a str>,
+    pub vsock: Option<&'a Path>,
+}
+
 /// Backends opened for a restore.
 pub struct Backends {
     disk: Option<std::fs::File>,
+    tap: Option<OwnedFd>,
+    vsock: Option<PathBuf>,
+}
+
+/// Checks that device `name` is in the snapshot exactly when its backend is named.
+fn pair<'a, T: ?Sized>(
+    snap: &Snapshot,
+    name: &str,
+    field: &str,
+    given: Option<&'a T>,
+    show: impl Fn(&T) -> String,
+) -> Result<Option<&'a T>, ErrorReply> {
+    match (snap.device_state(name).is_some(), given) {
+        (true, None) => Err(bad(
+            ErrorKind::BadRequest,
+            format!("the snapshot has a {name} device: the request must name its `{field}`"),
+        )),
+        (false, Some(g)) => Err(bad(
+            ErrorKind::BadRequest,
+            format!(
+                "`{field}` {} given but the snapshot has no {name} device",
+                show(g)
+            ),
+        )),
+        (_, g) => Ok(g),
+    }
+}
+
+/// Opens tap interface `name` (which cubelet created, persistent: `ip tuntap add`) for bare
+/// ethernet frames.
+pub fn open_tap(name: &str) -> Result<OwnedFd, ErrorReply> {
+    if name.is_empty()
+        || name.len() > MAX_IFNAME
+        || name
+            .bytes()
+            .any(|b| b == b'/' || b == b':' || b.is_ascii_whitespace() || b == 0)
+        || name == "."
+        || name == ".."
+    {
+        return Err(bad(
+            ErrorKind::BadRequest,
+            format!("invalid tap interface name {name:?}"),
+        ));
+    }
+    // SAFETY: the path is a valid NUL-terminated string.
+    let fd = unsafe {
+        libc::open(
+            c"/dev/net/tun".as_ptr(),
+            libc::O_RDWR | libc::O_CLOEXEC | libc::O_NONBLOCK,
+        )
+    };
+    if fd < 0 {
+        return Err(bad(
+            ErrorKind::Internal,
+            format!("open /dev/net/tun: {}", std::io::Error::last_os_error()),
+        ));
+    }
+    // SAFETY: fd was just opened and is owned by nobody else.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: ifreq is plain data; zeroed is valid.
+    let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (d, s) in ifr.ifr_name.iter_mut().zip(name.bytes()) {
+        *d = s as libc::c_char;
+    }
+    // No IFF_VNET_HDR: the device reads and writes bare frames (see the module docs).
+    ifr.ifr_ifru.ifru_flags = (libc::IFF_TAP | libc::IFF_NO_PI) as libc::c_short;
+    // SAFETY: TUNSETIFF reads a valid ifreq; the fd is a tun control fd.
+    let r = unsafe {
+        libc::ioctl(
+            std::os::fd::AsRawFd::as_raw_fd(&fd),
+            libc::TUNSETIFF as _,
+            &mut ifr,
+        )
+    };
+    if r < 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(bad(
+            ErrorKind::BadRequest,
+            format!("attach to tap {name:?}: {e}"),
+        ));
+    }
+    // TUNSETIFF creates a missing interface instead of failing: a tap cubelet made is
+    // persistent, one we just made is not (and goes away with `fd` here).
+    // SAFETY: TUNGETIFF fills a valid ifreq.
+    let r = unsafe {
+        libc::ioctl(
+            std::os::fd::AsRawFd::as_raw_fd(&fd),
+            libc::TUNGETIFF as _,
+            &mut ifr,
+        )
+    };
+    // SAFETY: TUNGETIFF set the flags variant of the union.
+    let flags = i32::from(unsafe { ifr.ifr_ifru.ifru_flags });
+    if r < 0 || flags & libc::IFF_PERSIST == 0 {
+        return Err(bad(
+            ErrorKind::BadRequest,
+            format!("no tap interface {name:?} (the sandbox's tap must exist, persistent)"),
+        ));
+    }
+    Ok(fd)
 }
 
 /// Checks that the snapshot's devices and the backends named in the request match and opens
 /// the backends, before the shell is spent on the restore.
-pub fn open_backends(snap: &Snapshot, disk: Option<&Path>) -> Result<Backends, ErrorReply> {
+pub fn open_backends(snap: &Snapshot, names: BackendNames<'_>) -> Result<Backends, ErrorReply> {
     for name in snap.state().devices.keys() {
-        if name != BLOCK_NAME {
+        if ![BLOCK_NAME, NET_NAME, VSOCK_NAME].contains(&name.as_str()) {
             return Err(bad(
                 ErrorKind::Unsupported,
-                format!("snapshot has device {name:?}, which this shim cannot rebuild yet"),
+                format!("snapshot has device {name:?}, which this shim cannot rebuild"),
             ));
         }
     }
-    let disk = match (snap.device_state(BLOCK_NAME).is_some(), disk) {
-        (true, None) => {
-            return Err(bad(
-                ErrorKind::BadRequest,
-                "the snapshot has a virtio-blk device: the request must name its `disk`",
-            ))
-        }
-        (false, Some(d)) => {
+    let disk = pair(snap, BLOCK_NAME, "disk", names.disk, |d| {
+        d.display().to_string()
+    })?;
+    let tap = pair(snap, NET_NAME, "tap", names.tap, |t| format!("{t:?}"))?;
+    let vsock = pair(snap, VSOCK_NAME, "vsock", names.vsock, |v| {
+        v.display().to_string()
+    })?;
+    if let Some(v) = vsock {
+        // Checked here, before the shell is spent: the device binds the socket during restore.
+        let parent_is_dir = v
+            .parent()
+            .map(|p| p.as_os_str().is_empty() || p.is_dir())
+            .unwrap_or(false);
+        if v.file_name().is_none()
+            || v.as_os_str().len() >= MAX_SOCKET_PATH
+            || !parent_is_dir
+            || v.is_dir()
+        {
             return Err(bad(
                 ErrorKind::BadRequest,
                 format!(
-                    "`disk` {} given but the snapshot has no virtio-blk device",
-                    d.display()
+                    "invalid vsock socket path {} (a new file in an existing directory, under {MAX_SOCKET_PATH} bytes)",
+                    v.display()
                 ),
-            ))
+            ));
         }
-        (true, Some(d)) => Some(
+    }
+    let disk = match disk {
+        Some(d) => Some(
             std::fs::OpenOptions::new()
                 .read(true)
                 .write(true)
@@ -78,51 +226,123 @@ pub fn open_backends(snap: &Snapshot, disk: Option<&Path>) -> Result<Backends, E
                     )
                 })?,
         ),
-        (false, None) => None,
+        None => None,
     };
-    Ok(Backends { disk })
+    let tap = tap.map(open_tap).transpose()?;
+    Ok(Backends {
+        disk,
+        tap,
+        vsock: vsock.map(Path::to_path_buf),
+    })
+}
+
+/// Decodes device `name`'s saved state and rebuilds its transport at `base`/`gsi` on `backend`.
+fn attach<D: VirtioDevice>(
+    snap: &Snapshot,
+    vm: &mut Vm,
+    name: &str,
+    base: u64,
+    gsi: u32,
+    backend: D::Backend,
+) -> Result<Arc<Mutex<MmioTransport<D>>>, ErrorReply> {
+    let bytes = snap
+        .device_state(name)
+        .ok_or_else(|| bad(ErrorKind::Internal, format!("{name} state vanished")))?;
+    let state: MmioState<D::State> = serde_json::from_slice(bytes).map_err(|e| {
+        bad(
+            ErrorKind::Snapshot,
+            format!("{name} state in the snapshot: {e}"),
+        )
+    })?;
+    let irq = IrqLine::new(gsi).map_err(|e| bad(ErrorKind::Internal, format!("eventfd: {e}")))?;
+    vm.register_irq(&irq)
+        .map_err(|e| bad(ErrorKind::Internal, e.to_string()))?;
+    let t = MmioTransport::<D>::restore(state, backend, vm.memory().clone(), irq)
+        .map_err(|e| bad(ErrorKind::Snapshot, format!("{name} restore: {e}")))?;
+    let t = Arc::new(Mutex::new(t));
+    vm.add_mmio_device(base, MMIO_WINDOW_SIZE, t.clone())
+        .map_err(|e| bad(ErrorKind::Internal, e.to_string()))?;
+    Ok(t)
+}
+
+fn encode<D: VirtioDevice>(
+    out: &mut DeviceStates,
+    name: &str,
+    t: &Option<Arc<Mutex<MmioTransport<D>>>>,
+) -> Result<(), ErrorReply> {
+    if let Some(t) = t {
+        let st = t.lock().unwrap_or_else(|e| e.into_inner()).state();
+        let bytes = serde_json::to_vec(&st)
+            .map_err(|e| bad(ErrorKind::Internal, format!("encode {name} state: {e}")))?;
+        out.insert(name.to_string(), bytes);
+    }
+    Ok(())
 }
 
 impl Devices {
     /// Rebuilds the snapshot's devices on the backends from [`open_backends`] and attaches them
-    /// to `vm` (paused, just restored).
+    /// to `vm` (paused, just restored). The backend workers start parked: [`Devices::resume`]
+    /// lets them run with the vCPUs.
     pub fn restore(
         snap: &Snapshot,
         vm: &mut Vm,
         backends: Backends,
     ) -> Result<Devices, ErrorReply> {
         let mut d = Devices::default();
-        if let (Some(bytes), Some(file)) = (snap.device_state(BLOCK_NAME), backends.disk) {
-            let state: MmioState<BlockState> = serde_json::from_slice(bytes).map_err(|e| {
-                bad(
-                    ErrorKind::Snapshot,
-                    format!("virtio-blk state in the snapshot: {e}"),
-                )
-            })?;
-            let irq = IrqLine::new(BLOCK_GSI)
-                .map_err(|e| bad(ErrorKind::Internal, format!("eventfd: {e}")))?;
-            vm.register_irq(&irq)
-                .map_err(|e| bad(ErrorKind::Internal, e.to_string()))?;
-            let t = MmioTransport::<Block>::restore(state, file, vm.memory().clone(), irq)
-                .map_err(|e| bad(ErrorKind::Snapshot, format!("virtio-blk restore: {e}")))?;
-            let t = Arc::new(Mutex::new(t));
-            vm.add_mmio_device(BLOCK_MMIO_BASE, MMIO_WINDOW_SIZE, t.clone())
-                .map_err(|e| bad(ErrorKind::Internal, e.to_string()))?;
-            d.block = Some(t);
+        if let Some(file) = backends.disk {
+            d.block = Some(attach::<Block>(
+                snap,
+                vm,
+                BLOCK_NAME,
+                BLOCK_MMIO_BASE,
+                BLOCK_GSI,
+                file,
+            )?);
+        }
+        if let Some(tap) = backends.tap {
+            let t = attach::<Net>(snap, vm, NET_NAME, NET_MMIO_BASE, NET_GSI, tap)?;
+            d.workers.push(spawn_worker(t.clone())?);
+            d.net = Some(t);
+        }
+        if let Some(path) = backends.vsock {
+            let t = attach::<Vsock>(snap, vm, VSOCK_NAME, VSOCK_MMIO_BASE, VSOCK_GSI, path)?;
+            d.workers.push(spawn_worker(t.clone())?);
+            d.vsock = Some(t);
         }
         Ok(d)
     }
 
-    /// Device states for a snapshot (the vCPUs must be paused: block requests are handled on
-    /// vCPU exits, so nothing is in progress then).
+    /// Parks the backend workers (returns once none touches its device).
+    pub fn pause(&self) {
+        for w in &self.workers {
+            w.pause();
+        }
+    }
+
+    /// Lets the backend workers run again.
+    pub fn resume(&self) {
+        for w in &self.workers {
+            w.resume();
+        }
+    }
+
+    /// Device states for a snapshot. The vCPUs and the workers must be paused ([`Devices::pause`]):
+    /// guest requests are handled on vCPU exits and host input by the workers.
     pub fn states(&self) -> Result<DeviceStates, ErrorReply> {
         let mut out = DeviceStates::new();
-        if let Some(b) = &self.block {
-            let st = b.lock().unwrap_or_else(|e| e.into_inner()).state();
-            let bytes = serde_json::to_vec(&st)
-                .map_err(|e| bad(ErrorKind::Internal, format!("encode virtio-blk state: {e}")))?;
-            out.insert(BLOCK_NAME.to_string(), bytes);
-        }
+        encode(&mut out, BLOCK_NAME, &self.block)?;
+        encode(&mut out, NET_NAME, &self.net)?;
+        encode(&mut out, VSOCK_NAME, &self.vsock)?;
         Ok(out)
     }
+}
+
+fn spawn_worker<D: VirtioDevice>(
+    t: Arc<Mutex<MmioTransport<D>>>,
+) -> Result<BackendWorker, ErrorReply> {
+    let w = BackendWorker::spawn(t)
+        .map_err(|e| bad(ErrorKind::Internal, format!("backend worker: {e}")))?;
+    // The VM is still paused: keep the worker off the device until it runs.
+    w.pause();
+    Ok(w)
 }

@@ -6,7 +6,9 @@
 //! 3. [`no_new_privs`]: `PR_SET_NO_NEW_PRIVS`, so nothing the shim execs can gain privileges
 //!    (and so seccomp can be installed without `CAP_SYS_ADMIN`).
 //! 4. [`apply_seccomp`]: an allow-list of the syscalls the control loop, the vCPU threads and
-//!    snapshot I/O use, installed on **all threads** (TSYNC) — the vCPU threads already exist.
+//!    snapshot I/O and the virtio backends (tap reads/writes, the vsock unix sockets) use,
+//!    installed on **all threads** (TSYNC) — the vCPU threads already exist; device worker
+//!    threads started later inherit it. `socket` is allowed for `AF_UNIX` only.
 //!    Anything else kills the process (`SECCOMP_RET_KILL_PROCESS`, logged by the audit
 //!    subsystem). `--no-seccomp` skips it for debugging.
 //!
@@ -18,7 +20,10 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use seccompiler::{BpfProgram, SeccompAction, SeccompFilter, SeccompRule, TargetArch};
+use seccompiler::{
+    BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
+    SeccompRule, TargetArch,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum JailError {
@@ -138,12 +143,27 @@ pub const ALLOWED_SYSCALLS: &[i64] = &[
     libc::SYS_epoll_ctl,
     libc::SYS_setsockopt,
     libc::SYS_getsockopt,
+    // virtio-vsock host side: the shim binds the sandbox's socket on restore and connects to
+    // `<path>_<port>` for guest-initiated connections (`socket` itself is limited to
+    // AF_UNIX, see [`seccomp_program`]).
+    libc::SYS_bind,
+    libc::SYS_listen,
+    libc::SYS_connect,
 ];
+
+/// Allowed only with their first argument equal to the given value.
+const ALLOWED_WITH_ARG0: &[(i64, u64)] = &[(libc::SYS_socket, libc::AF_UNIX as u64)];
 
 /// Compiles the allow-list into a BPF program.
 pub fn seccomp_program() -> Result<BpfProgram, JailError> {
-    let rules: BTreeMap<i64, Vec<SeccompRule>> =
+    let mut rules: BTreeMap<i64, Vec<SeccompRule>> =
         ALLOWED_SYSCALLS.iter().map(|&n| (n, Vec::new())).collect();
+    for &(nr, arg0) in ALLOWED_WITH_ARG0 {
+        let cond = SeccompCondition::new(0, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, arg0)
+            .map_err(|e| JailError::Seccomp(e.to_string()))?;
+        let rule = SeccompRule::new(vec![cond]).map_err(|e| JailError::Seccomp(e.to_string()))?;
+        rules.insert(nr, vec![rule]);
+    }
     let filter = SeccompFilter::new(
         rules,
         SeccompAction::KillProcess,
@@ -246,7 +266,6 @@ mod tests {
             libc::SYS_execve,
             libc::SYS_ptrace,
             libc::SYS_socket,
-            libc::SYS_connect,
             libc::SYS_mount,
         ] {
             assert!(
@@ -258,6 +277,14 @@ mod tests {
 
     #[test]
     fn the_filter_kills_a_process_that_leaves_the_allow_list() {
+        for inet in [false, true] {
+            killed_by_filter(inet);
+        }
+    }
+
+    /// Forks a child that installs the filter, opens an AF_UNIX socket, then makes a call
+    /// outside the list (`getppid`, or an AF_INET socket when `inet`).
+    fn killed_by_filter(inet: bool) {
         let prog = seccomp_program().unwrap();
         // SAFETY: the child only makes raw syscalls and exits.
         let pid = unsafe { libc::fork() };
@@ -269,7 +296,15 @@ mod tests {
                     libc::_exit(3);
                 }
                 libc::syscall(libc::SYS_getpid); // allowed
-                libc::syscall(libc::SYS_getppid); // not allowed: killed here
+                let fd = libc::syscall(libc::SYS_socket, libc::AF_UNIX, libc::SOCK_STREAM, 0);
+                if fd < 0 {
+                    libc::_exit(4); // AF_UNIX sockets (vsock backend) must stay possible
+                }
+                if inet {
+                    libc::syscall(libc::SYS_socket, libc::AF_INET, libc::SOCK_DGRAM, 0);
+                } else {
+                    libc::syscall(libc::SYS_getppid); // not allowed: killed here
+                }
                 libc::_exit(0);
             }
         }

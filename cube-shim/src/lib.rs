@@ -18,15 +18,19 @@
 //! * `ping` → `pong` (pid, shape, state).
 //! * `restore` `{snapshot, disk?, tap?, vsock?}` → `restored` (µs spent). Restores the snapshot
 //!   directory into the pre-created shell and runs the guest. The snapshot must match the
-//!   shim's shape. A snapshot with a virtio-blk device needs `disk` (the sandbox's own copy,
-//!   opened read-write); the device layout is in [`devices`]. `tap` and `vsock` are accepted
-//!   by the protocol but not attached yet: a request naming one is refused with `unsupported`.
+//!   shim's shape. Each device in the snapshot needs its backend in the request, and each
+//!   backend named needs its device (else `bad_request`, the shell stays usable): virtio-blk
+//!   → `disk` (the sandbox's own copy, opened read-write), virtio-net → `tap` (the name of a
+//!   tap interface cubelet created in the shim's network namespace), virtio-vsock → `vsock`
+//!   (the host unix socket path the shim binds; guest connections to host port P go to
+//!   `<vsock>_P`). The device layout is in [`devices`].
 //! * `pause` → `paused` (vCPUs stopped, memory kept). `resume` (no `dir`) runs it again.
 //! * `pause_to_disk` `{dir}` → `paused_to_disk`: writes the state plus the pages that differ
 //!   from the template, then **drops the VM** (guest memory is released).
-//! * `resume` `{dir?, disk?}` → `resumed`: without `dir`, from an in-memory pause; with `dir`,
-//!   from a pause-to-disk directory (in this shim, or in a new shim of the same shape), with
-//!   `disk` when the sandbox had one.
+//! * `resume` `{dir?, disk?, tap?, vsock?}` → `resumed`: without `dir`, from an in-memory
+//!   pause; with `dir`, from a pause-to-disk directory (in this shim, or in a new shim of the
+//!   same shape), with the backends for the sandbox's devices as for `restore` (they may be
+//!   new ones: a new tap, a new socket path).
 //! * `snapshot` `{dir}` → `snapshotted`: a full snapshot (a new template); the VM stays paused
 //!   if it was paused and runs again if it was running.
 //! * `stats` → `stats` ([`protocol::Stats`]): guest memory resident/private/PSS (from
@@ -43,10 +47,10 @@
 //! wrong versions get an error response and the connection stays usable. Nothing on a request
 //! path panics.
 //!
-//! # Not yet
-//! virtio-net (`tap`) and virtio-vsock (`vsock`) are not rebuilt: a snapshot carrying their
-//! states, or a request naming those backends, is refused with `unsupported`. Tap fds cannot
-//! be passed over the socket (names only).
+//! # Limits
+//! Tap fds cannot be passed over the socket (names only). Vsock connections do not survive a
+//! snapshot or pause-to-disk (the guest gets a transport reset); the guest CID and MAC do.
+//! A device in a snapshot that is not in the [`devices`] layout is refused with `unsupported`.
 
 pub mod client;
 pub mod devices;

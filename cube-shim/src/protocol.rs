@@ -51,6 +51,12 @@ pub enum Op {
         /// With `dir`: the disk to attach when the paused sandbox had a virtio-blk device.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         disk: Option<PathBuf>,
+        /// With `dir`: the tap (by name) when the paused sandbox had a virtio-net device.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        tap: Option<String>,
+        /// With `dir`: the host socket path when the paused sandbox had a virtio-vsock device.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        vsock: Option<PathBuf>,
     },
     Snapshot {
         dir: PathBuf,
@@ -295,6 +301,8 @@ mod tests {
         let r = Request::new(Op::Resume {
             dir: None,
             disk: None,
+            tap: None,
+            vsock: None,
         });
         let s = serde_json::to_string(&r).unwrap();
         assert_eq!(s, r#"{"v":1,"op":"resume"}"#);

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use cube_hypervisor::{restore_into, Error, Shape, Snapshot, VcpuEvent, Vm, VmShell, Vmm};
 
-use crate::devices::{self, Devices};
+use crate::devices::{self, BackendNames, Devices};
 use crate::protocol::{
     ErrorKind, ErrorReply, GuestStatus, Op, Reply, Response, SandboxState, ShapeInfo, MAX_PEEK,
 };
@@ -21,8 +21,9 @@ pub struct Sandbox {
     shell: Option<VmShell>,
     /// The template the shell was prepared for ([`Sandbox::prepare`]), kept open.
     prepared: Option<(std::path::PathBuf, Snapshot)>,
-    vm: Option<Vm>,
+    /// Before `vm`: fields drop in order, and the devices' workers write the VM's memory.
     devices: Devices,
+    vm: Option<Vm>,
     state: SandboxState,
     guest: GuestStatus,
     checkpoints: Vec<u32>,
@@ -139,25 +140,50 @@ impl Sandbox {
                 disk,
                 tap,
                 vsock,
-            } => self.restore(&snapshot, disk.as_deref(), tap.is_some() || vsock.is_some()),
+            } => self.restore(
+                &snapshot,
+                BackendNames {
+                    disk: disk.as_deref(),
+                    tap: tap.as_deref(),
+                    vsock: vsock.as_deref(),
+                },
+            ),
             Op::Pause => self.pause(),
             Op::PauseToDisk { dir } => self.pause_to_disk(&dir),
-            Op::Resume { dir: None, disk } => match disk {
-                None => self.resume(),
-                Some(_) => Err(ErrorReply::new(
-                    ErrorKind::BadRequest,
-                    "`disk` only goes with `dir` (resume from a pause-to-disk directory)",
-                )),
-            },
+            Op::Resume {
+                dir: None,
+                disk,
+                tap,
+                vsock,
+            } => {
+                if disk.is_none() && tap.is_none() && vsock.is_none() {
+                    self.resume()
+                } else {
+                    Err(ErrorReply::new(
+                        ErrorKind::BadRequest,
+                        "`disk`, `tap` and `vsock` only go with `dir` (resume from a pause-to-disk directory)",
+                    ))
+                }
+            }
             Op::Resume {
                 dir: Some(dir),
                 disk,
-            } => self.resume_from_disk(&dir, disk.as_deref()),
+                tap,
+                vsock,
+            } => self.resume_from_disk(
+                &dir,
+                BackendNames {
+                    disk: disk.as_deref(),
+                    tap: tap.as_deref(),
+                    vsock: vsock.as_deref(),
+                },
+            ),
             Op::Snapshot { dir } => self.snapshot(&dir),
             Op::Stop => {
-                // Drop the VM now (vCPU threads joined, memory released), then exit.
-                self.vm = None;
+                // Drop the devices (backend workers joined) before the VM whose memory they
+                // write, then the VM (vCPU threads joined, memory released), then exit.
                 self.devices = Devices::default();
+                self.vm = None;
                 self.shell = None;
                 self.stopping = true;
                 Ok(Reply::Stopped)
@@ -169,23 +195,12 @@ impl Sandbox {
         r.map(Response::ok).unwrap_or_else(Response::from)
     }
 
-    fn restore(
-        &mut self,
-        dir: &Path,
-        disk: Option<&Path>,
-        net_or_vsock: bool,
-    ) -> Result<Reply, ErrorReply> {
+    fn restore(&mut self, dir: &Path, names: BackendNames<'_>) -> Result<Reply, ErrorReply> {
         let t0 = Instant::now();
         if self.state != SandboxState::Ready {
             return Err(wrong_state("restore", self.state));
         }
-        if net_or_vsock {
-            return Err(ErrorReply::new(
-                ErrorKind::Unsupported,
-                "tap and vsock backends are not attached by this shim yet (disk is)",
-            ));
-        }
-        self.restore_dir(dir, disk)?;
+        self.restore_dir(dir, names)?;
         Ok(Reply::Restored {
             restore_us: t0.elapsed().as_micros() as u64,
         })
@@ -211,12 +226,12 @@ impl Sandbox {
         Ok(snap)
     }
 
-    fn restore_dir(&mut self, dir: &Path, disk: Option<&Path>) -> Result<(), ErrorReply> {
+    fn restore_dir(&mut self, dir: &Path, names: BackendNames<'_>) -> Result<(), ErrorReply> {
         let snap = match self.prepared.take() {
             Some((p, snap)) if p == dir => snap,
             _ => self.open_checked(dir)?,
         };
-        let backends = devices::open_backends(&snap, disk)?;
+        let backends = devices::open_backends(&snap, names)?;
         let shell = match self.shell.take() {
             Some(s) => s,
             None => VmShell::new(&self.vmm, self.shape).map_err(hv_err)?,
@@ -240,6 +255,7 @@ impl Sandbox {
             self.state = SandboxState::Empty;
             return Err(hv_err(e));
         }
+        devs.resume();
         self.vm = Some(vm);
         self.devices = devs;
         self.state = SandboxState::Running;
@@ -258,6 +274,7 @@ impl Sandbox {
             return Err(wrong_state("pause", self.state));
         }
         self.vm_mut("pause")?.pause().map_err(hv_err)?;
+        self.devices.pause();
         self.state = SandboxState::Paused;
         Ok(Reply::Paused)
     }
@@ -267,17 +284,22 @@ impl Sandbox {
             return Err(wrong_state("resume", self.state));
         }
         self.vm_mut("resume")?.resume().map_err(hv_err)?;
+        self.devices.resume();
         self.state = SandboxState::Running;
         self.guest = GuestStatus::Active;
         Ok(Reply::Resumed)
     }
 
-    fn resume_from_disk(&mut self, dir: &Path, disk: Option<&Path>) -> Result<Reply, ErrorReply> {
+    fn resume_from_disk(
+        &mut self,
+        dir: &Path,
+        names: BackendNames<'_>,
+    ) -> Result<Reply, ErrorReply> {
         match self.state {
             SandboxState::Ready | SandboxState::PausedToDisk | SandboxState::Empty => {}
             s => return Err(wrong_state("resume from disk", s)),
         }
-        self.restore_dir(dir, disk)?;
+        self.restore_dir(dir, names)?;
         Ok(Reply::Resumed)
     }
 
@@ -286,16 +308,17 @@ impl Sandbox {
             SandboxState::Running | SandboxState::Paused => {}
             s => return Err(wrong_state("pause to disk", s)),
         }
-        // Devices are quiet once the vCPUs are parked (requests run on vCPU exits).
+        // Devices are quiet once the vCPUs (guest requests) and the workers (host input) are parked.
         self.vm_mut("pause to disk")?.pause().map_err(hv_err)?;
+        self.devices.pause();
         self.state = SandboxState::Paused;
         let states = self.devices.states()?;
         self.vm_mut("pause to disk")?
             .pause_to_disk(dir, &states)
             .map_err(hv_err)?;
         // Release the guest's memory, vCPU threads and backends: the state lives in `dir` now.
-        self.vm = None;
         self.devices = Devices::default();
+        self.vm = None;
         self.state = SandboxState::PausedToDisk;
         Ok(Reply::PausedToDisk {
             dir: dir.to_path_buf(),
@@ -309,15 +332,16 @@ impl Sandbox {
             s => return Err(wrong_state("snapshot", s)),
         };
         self.vm_mut("snapshot")?.pause().map_err(hv_err)?;
+        self.devices.pause();
         let result = self.devices.states().and_then(|states| {
             self.vm_mut("snapshot")?
                 .snapshot(dir, &states)
                 .map_err(hv_err)
         });
-        let vm = self.vm_mut("snapshot")?;
         // Paused for the snapshot; run it again whatever the outcome.
         if was_running {
-            vm.resume().map_err(hv_err)?;
+            self.vm_mut("snapshot")?.resume().map_err(hv_err)?;
+            self.devices.resume();
         } else {
             self.state = SandboxState::Paused;
         }

@@ -130,8 +130,8 @@ fn a_block_request_in_flight_in_the_template_completes_on_the_sandbox_disk() {
 }
 
 #[test]
-fn net_and_vsock_backends_are_refused_as_unsupported() {
-    cube_testkit::require_kvm!("shim_net_vsock_unsupported");
+fn backends_without_a_device_in_the_snapshot_are_refused() {
+    cube_testkit::require_kvm!("shim_backends_without_device");
     let shape = Shape::new(1, 64);
     let t = tmpdir("tpl");
     pattern_template(t.path(), shape, 4096, 3);
@@ -149,7 +149,7 @@ fn net_and_vsock_backends_are_refused_as_unsupported() {
                 vsock,
             })
             .unwrap_err();
-        assert_eq!(e.kind(), Some(ErrorKind::Unsupported), "{e}");
+        assert_eq!(e.kind(), Some(ErrorKind::BadRequest), "{e}");
     }
     // A disk for a snapshot without a block device is a caller error.
     let e = c

@@ -93,7 +93,9 @@ fn pause_and_resume_in_memory() {
     assert_eq!(
         c.call(Op::Resume {
             dir: None,
-            disk: None
+            disk: None,
+            tap: None,
+            vsock: None,
         })
         .unwrap(),
         Reply::Resumed
@@ -155,6 +157,8 @@ fn pause_to_disk_then_resume_in_a_new_shim_continues() {
         ca.call(Op::Resume {
             dir: Some(p.path().into()),
             disk: None,
+            tap: None,
+            vsock: None,
         })
         .unwrap(),
         Reply::Resumed
@@ -170,6 +174,8 @@ fn pause_to_disk_then_resume_in_a_new_shim_continues() {
         cb.call(Op::Resume {
             dir: Some(p.path().into()),
             disk: None,
+            tap: None,
+            vsock: None,
         })
         .unwrap(),
         Reply::Resumed
@@ -190,6 +196,8 @@ fn pause_to_disk_then_resume_in_a_new_shim_continues() {
     cb.call(Op::Resume {
         dir: None,
         disk: None,
+        tap: None,
+        vsock: None,
     })
     .unwrap();
     std::thread::sleep(Duration::from_millis(20));
@@ -214,6 +222,8 @@ fn a_snapshot_of_a_running_sandbox_restores_as_a_clone() {
     ca.call(Op::Resume {
         dir: None,
         disk: None,
+        tap: None,
+        vsock: None,
     })
     .unwrap();
     let r = ca
@@ -306,11 +316,24 @@ fn bad_requests_get_clear_errors_and_the_connection_stays_usable() {
             vsock: None,
         })
         .unwrap_err();
-    assert_eq!(e.kind(), Some(ErrorKind::Unsupported));
+    // The template has no virtio-net device to put on a tap.
+    assert_eq!(e.kind(), Some(ErrorKind::BadRequest), "{e}");
+    // Backends only go with a resume from a pause-to-disk directory.
     assert_eq!(
         kind(c.call(Op::Resume {
             dir: None,
-            disk: None
+            disk: None,
+            tap: Some("tap-x".into()),
+            vsock: None,
+        })),
+        ErrorKind::BadRequest
+    );
+    assert_eq!(
+        kind(c.call(Op::Resume {
+            dir: None,
+            disk: None,
+            tap: None,
+            vsock: None,
         })),
         ErrorKind::WrongState
     );

@@ -1,7 +1,8 @@
 //! `shim-bench --out DIR`: through real `cube-shim` processes and their control sockets,
 //! measures (1) time from sending `restore` to a pre-spawned shim until the guest runs
 //! (the restore reply, and the guest's first pause point after its first instruction; also
-//! into shims started with `--template`),
+//! into shims started with `--template`, and from a template with virtio-net + virtio-vsock
+//! devices, whose backends the shim opens on restore),
 //! (2) host memory per idle shim with N shims restored from one 512 MiB template, beyond the
 //! pages their guests wrote, (3) pause-to-disk of a guest that dirtied 64 MiB and resume in a
 //! new shim. Templates live in /dev/shm (page cache). Prints a markdown table, writes
@@ -13,7 +14,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
+use cube_hypervisor::devices::irq::IrqLine;
+use cube_hypervisor::devices::virtio::{MmioTransport, Net, Vsock};
 use cube_hypervisor::{test_guests, DeviceStates, RunOutcome, Shape, Vmm};
+use cube_shim::devices;
 use cube_shim::protocol::{GuestStatus, Reply, Stats};
 use cube_shim::{Client, Op};
 
@@ -112,6 +116,19 @@ impl Drop for ShimProc {
 /// Bench guest template: wrote `ws` bytes (one word per page), will dirty `dirty` bytes from
 /// DATA + ws after the restore, then stop at pause point 3.
 fn template(dir: &Path, shape: Shape, ws: u64, dirty: u64) -> Result<()> {
+    template_with(dir, shape, ws, dirty, false, false)
+}
+
+/// [`template`], plus fresh (not yet driven) virtio-net and/or virtio-vsock devices in the
+/// shim's layout: restoring it measures rebinding their backends (tap, vsock socket, workers).
+fn template_with(
+    dir: &Path,
+    shape: Shape,
+    ws: u64,
+    dirty: u64,
+    net: bool,
+    vsock: bool,
+) -> Result<()> {
     let vmm = Vmm::new()?;
     let mut vm = vmm.create_vm(shape)?;
     vm.load_test_guest(test_guests::BENCH)?;
@@ -122,8 +139,50 @@ fn template(dir: &Path, shape: Shape, ws: u64, dirty: u64) -> Result<()> {
     if r.outcome != RunOutcome::PausePoint(1) {
         bail!("template guest: {:?}", r.outcome);
     }
-    vm.snapshot(dir, &DeviceStates::new())?;
+    let mut devices = DeviceStates::new();
+    if net {
+        let (dev_end, _) = std::os::unix::net::UnixDatagram::pair()?;
+        let t = MmioTransport::new(
+            Net::new(dev_end.into(), [0x02, 0xcb, 0, 0, 0, 1])?,
+            vm.memory().clone(),
+            IrqLine::new(devices::NET_GSI)?,
+        )?;
+        devices.insert(devices::NET_NAME.into(), serde_json::to_vec(&t.state())?);
+    }
+    if vsock {
+        let t = MmioTransport::new(
+            Vsock::new(3, &dir.with_extension("vsock"))?,
+            vm.memory().clone(),
+            IrqLine::new(devices::VSOCK_GSI)?,
+        )?;
+        devices.insert(devices::VSOCK_NAME.into(), serde_json::to_vec(&t.state())?);
+    }
+    vm.snapshot(dir, &devices)?;
     Ok(())
+}
+
+/// A persistent tap for the net restore samples (needs root); deleted on drop.
+struct BenchTap(String);
+
+impl BenchTap {
+    fn create() -> Option<BenchTap> {
+        let name = format!("csb{}", std::process::id() % 10_000_000);
+        let ok = Command::new("ip")
+            .args(["tuntap", "add", "dev", &name, "mode", "tap"])
+            .stderr(Stdio::null())
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false);
+        ok.then_some(BenchTap(name))
+    }
+}
+
+impl Drop for BenchTap {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["link", "del", "dev", &self.0])
+            .status();
+    }
 }
 
 fn restore_op(dir: &Path) -> Op {
@@ -282,6 +341,38 @@ fn main() -> Result<()> {
         None,
     ));
 
+    // Same, from a template with virtio-net (when a tap can be made) and virtio-vsock devices:
+    // the shim opens the tap, binds the vsock socket and starts a backend worker for each.
+    let tap = BenchTap::create();
+    let dev_tpl = tdir.path().join("devices");
+    template_with(&dev_tpl, shape, ws, 0, tap.is_some(), true)?;
+    let mut dev_ms = Vec::new();
+    for i in 0..cli.iterations {
+        let shim = ShimProc::spawn(&bin, shape)?;
+        let mut c = shim.client()?;
+        c.call(Op::Ping)?;
+        let t0 = Instant::now();
+        c.call(Op::Restore {
+            snapshot: dev_tpl.clone(),
+            disk: None,
+            tap: tap.as_ref().map(|t| t.0.clone()),
+            vsock: Some(tdir.path().join(format!("v{i}.sock"))),
+        })?;
+        dev_ms.push(ms(t0.elapsed()));
+        wait_pause_point(&mut c, 3)?;
+    }
+    rows.push(Row::new(
+        if tap.is_some() {
+            "restore request → reply, with virtio-net (tap) + virtio-vsock"
+        } else {
+            "restore request → reply, with virtio-vsock (no tap: not root)"
+        },
+        "ms",
+        dev_ms,
+        Some(2.0),
+    ));
+    drop(tap);
+
     // 2. Memory per idle shim, N shims from one template.
     let mut shims = Vec::new();
     for _ in 0..cli.shims {
@@ -343,6 +434,8 @@ fn main() -> Result<()> {
         cb.call(Op::Resume {
             dir: Some(pdir.path().to_path_buf()),
             disk: None,
+            tap: None,
+            vsock: None,
         })?;
         resume.push(ms(t0.elapsed()));
         // Resumed after pause point 3: the guest reports done 0.
