@@ -48,6 +48,8 @@ RUSTFLAGS="-C target-feature=+crt-static" \
 install -D -m 0755 "$CARGO_TARGET_DIR/x86_64-unknown-linux-gnu/release/cube-agent" /usr/lib/cube/cube-agent
 install -D -m 0755 "$CARGO_TARGET_DIR/release/cubelet" /usr/local/bin/cubelet
 
+# Sandboxes reach the internet through the host (nftables masquerade behind cube-vs).
+sysctl -qw net.ipv4.ip_forward=1
 mkdir -p "$DATA_DIR" "$RUN_DIR" "$(dirname "$CONF")" "$(dirname "$LOG")"
 if [ ! -f "$CONF" ]; then
     cat > "$CONF" <<TOML
