@@ -177,7 +177,8 @@ impl AgentClient {
                 return Err(AgentError::Timeout(timeout, err.to_string()));
             }
             tokio::time::sleep(delay).await;
-            delay = (delay * 2).min(Duration::from_millis(20));
+            // A refused connect costs microseconds; a long backoff would dominate create latency.
+            delay = (delay * 2).min(Duration::from_millis(1));
         }
     }
 

@@ -15,6 +15,11 @@ pub struct Metrics {
     pub sandboxes: IntGaugeVec,
     /// `cube_sandbox_create_seconds{from_pool}`: request to agent healthy.
     pub create_seconds: HistogramVec,
+    /// `cube_create_phase_seconds{phase}`: time spent in each phase of a create that did not
+    /// come from the started pool: `disk`, `endpoint` (netns), `cgroup` (concurrent; `prepare`
+    /// is their wall time), `launch` (with `veth` and `policy` concurrent), `healthy`, `init`,
+    /// `total`.
+    pub create_phase: HistogramVec,
     /// `cube_sandbox_operations_total{op, result}`.
     pub operations: IntCounterVec,
     /// `cube_sandbox_net_packets{sandbox, direction}`: packets through the switch port
@@ -55,6 +60,17 @@ impl Metrics {
             &["from_pool"],
         )
         .expect("static metric");
+        let create_phase = HistogramVec::new(
+            HistogramOpts::new(
+                "cube_create_phase_seconds",
+                "Time per phase of a CreateSandbox that did not come from the started pool",
+            )
+            .buckets(vec![
+                0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0, 10.0,
+            ]),
+            &["phase"],
+        )
+        .expect("static metric");
         let operations = IntCounterVec::new(
             Opts::new(
                 "cube_sandbox_operations_total",
@@ -84,6 +100,7 @@ impl Metrics {
             Box::new(pool_target.clone()),
             Box::new(sandboxes.clone()),
             Box::new(create_seconds.clone()),
+            Box::new(create_phase.clone()),
             Box::new(operations.clone()),
             Box::new(net_packets.clone()),
             Box::new(net_bytes.clone()),
@@ -97,6 +114,7 @@ impl Metrics {
             pool_target,
             sandboxes,
             create_seconds,
+            create_phase,
             operations,
             net_packets,
             net_bytes,

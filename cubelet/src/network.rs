@@ -8,10 +8,16 @@
 //! applied, and before the endpoint is torn down.
 
 use futures::TryStreamExt;
-use netlink_packet_route::link::LinkAttribute;
+use netlink_packet_route::link::{
+    InfoData, InfoKind, InfoVeth, LinkAttribute, LinkInfo, LinkMessage,
+};
 use std::net::{IpAddr, Ipv4Addr};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
+
+/// A netlink handle inside a sandbox's network namespace (between
+/// [`Network::create_netns_only`] and [`Network::wire_netns`]).
+pub struct NsHandle(rtnetlink::Handle);
 
 /// Errors of endpoint management.
 #[derive(Debug, thiserror::Error)]
@@ -181,43 +187,16 @@ impl Network {
     }
 
     /// Creates a named network namespace and a netlink handle inside it.
-    fn create_netns(&self, path: &Path) -> Result<rtnetlink::Handle, NetError> {
+    async fn create_netns(&self, path: &Path) -> Result<rtnetlink::Handle, NetError> {
         let path = path.to_path_buf();
         let rt = tokio::runtime::Handle::current();
-        let join = std::thread::spawn(move || -> Result<rtnetlink::Handle, NetError> {
-            let ioe = |op: &'static str, p: &Path| {
-                let path = p.display().to_string();
-                move |source| NetError::Io { op, path, source }
-            };
-            std::fs::File::create(&path).map_err(ioe("create", &path))?;
-            // SAFETY: unshare affects only this thread, which exits right after.
-            if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
-                return Err(ioe("unshare(NEWNET)", &path)(
-                    std::io::Error::last_os_error(),
-                ));
-            }
-            let src = std::ffi::CString::new("/proc/thread-self/ns/net").unwrap_or_default();
-            let dst = cpath(&path);
-            // SAFETY: valid strings; bind mount of our own namespace file.
-            let r = unsafe {
-                libc::mount(
-                    src.as_ptr(),
-                    dst.as_ptr(),
-                    std::ptr::null(),
-                    libc::MS_BIND,
-                    std::ptr::null(),
-                )
-            };
-            if r != 0 {
-                return Err(ioe("bind netns", &path)(std::io::Error::last_os_error()));
-            }
-            let _g = rt.enter();
-            let (conn, handle, _) =
-                rtnetlink::new_connection().map_err(ioe("netlink socket", &path))?;
-            rt.spawn(conn);
-            Ok(handle)
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        // A dedicated thread (it exits, taking the new namespace with it), awaited without
+        // blocking the runtime so the concurrent parts of a create keep running.
+        std::thread::spawn(move || {
+            let _ = tx.send(netns_thread(path, rt));
         });
-        join.join()
+        rx.await
             .map_err(|_| NetError::Hook("netns thread panicked".into()))?
     }
 
@@ -232,68 +211,82 @@ impl Network {
         }
     }
 
-    /// Creates a complete endpoint. On failure everything created so far is removed.
-    pub async fn create(&self, key: &str) -> Result<Endpoint, NetError> {
-        let ep = Endpoint {
+    /// The endpoint record for `key` (names and paths; `host_ifindex` 0 until wired).
+    pub fn endpoint_for(&self, key: &str) -> Endpoint {
+        Endpoint {
             key: key.to_string(),
             netns_path: self.netns_path(key),
             host_if: Self::host_if_name(key),
             host_ifindex: 0,
-        };
-        match self.create_inner(ep.clone()).await {
-            Ok(ep) => Ok(ep),
-            Err(e) => {
-                self.destroy_parts(&ep.host_if, &ep.netns_path).await;
-                Err(e)
-            }
         }
     }
 
-    async fn create_inner(&self, mut ep: Endpoint) -> Result<Endpoint, NetError> {
+    /// Creates a complete endpoint. On failure everything created so far is removed.
+    pub async fn create(&self, key: &str) -> Result<Endpoint, NetError> {
+        let ep = self.endpoint_for(key);
+        let r = async {
+            let nsh = self.create_netns(&ep.netns_path).await?;
+            self.wire(ep.clone(), nsh).await
+        }
+        .await;
+        if r.is_err() {
+            self.destroy_parts(&ep.host_if, &ep.netns_path).await;
+        }
+        r
+    }
+
+    /// First half of [`Network::create`]: only the namespace, so a sandbox can be started in
+    /// it while [`Network::wire`] adds the veth. On failure the caller must
+    /// [`Network::destroy`] `ep` (idempotent).
+    pub async fn create_netns_only(&self, ep: &Endpoint) -> Result<NsHandle, NetError> {
+        Ok(NsHandle(self.create_netns(&ep.netns_path).await?))
+    }
+
+    /// Second half of [`Network::create`]: the veth pair, configured on both sides, and the
+    /// hook. On failure the caller must [`Network::destroy`] `ep` (idempotent).
+    pub async fn wire_netns(&self, ep: Endpoint, nsh: NsHandle) -> Result<Endpoint, NetError> {
+        self.wire(ep, nsh.0).await
+    }
+
+    async fn wire(&self, mut ep: Endpoint, nsh: rtnetlink::Handle) -> Result<Endpoint, NetError> {
         let id = &self.identity;
-        let nsh = self.create_netns(&ep.netns_path)?;
-        let guest_tmp = format!("cvg{}", &ep.host_if[HOST_IF_PREFIX.len()..]);
         let h = &self.handle;
-        h.link()
-            .add()
-            .veth(ep.host_if.clone(), guest_tmp.clone())
-            .execute()
-            .await
-            .map_err(nl(format!("add veth {}", ep.host_if)))?;
-        let host_idx = Self::index_of(h, &ep.host_if)
-            .await?
-            .ok_or_else(|| NetError::NoLink(ep.host_if.clone()))?;
-        let guest_idx = Self::index_of(h, &guest_tmp)
-            .await?
-            .ok_or_else(|| NetError::NoLink(guest_tmp.clone()))?;
-        ep.host_ifindex = host_idx;
         let nsfile = std::fs::File::open(&ep.netns_path).map_err(|e| NetError::Io {
             op: "open",
             path: ep.netns_path.display().to_string(),
             source: e,
         })?;
-        h.link()
-            .set(guest_idx)
-            .setns_by_fd(nsfile.as_raw_fd())
-            .execute()
+        // One request creates both ends with their final names and MACs, the guest end
+        // directly inside the namespace: moving a device between namespaces afterwards costs
+        // an RCU grace period (tens of ms on a loaded host).
+        let mut peer = LinkMessage::default();
+        peer.attributes.push(LinkAttribute::IfName("eth0".into()));
+        peer.attributes
+            .push(LinkAttribute::Address(id.guest_mac.to_vec()));
+        peer.attributes
+            .push(LinkAttribute::NetNsFd(nsfile.as_raw_fd()));
+        let mut add = h.link().add().name(ep.host_if.clone());
+        add.message_mut()
+            .attributes
+            .push(LinkAttribute::Address(id.gateway_mac.to_vec()));
+        add.message_mut()
+            .attributes
+            .push(LinkAttribute::LinkInfo(vec![
+                LinkInfo::Kind(InfoKind::Veth),
+                LinkInfo::Data(InfoData::Veth(InfoVeth::Peer(peer))),
+            ]));
+        add.execute()
             .await
-            .map_err(nl("move guest end into netns"))?;
-        // Guest side, through the netlink socket opened inside the namespace.
-        let gidx = Self::index_of(&nsh, &guest_tmp)
+            .map_err(nl(format!("add veth {}", ep.host_if)))?;
+        drop(nsfile);
+        let host_idx = Self::index_of(h, &ep.host_if)
             .await?
-            .ok_or_else(|| NetError::NoLink(guest_tmp.clone()))?;
-        nsh.link()
-            .set(gidx)
-            .name("eth0".into())
-            .execute()
-            .await
-            .map_err(nl("rename eth0"))?;
-        nsh.link()
-            .set(gidx)
-            .address(id.guest_mac.to_vec())
-            .execute()
-            .await
-            .map_err(nl("set guest mac"))?;
+            .ok_or_else(|| NetError::NoLink(ep.host_if.clone()))?;
+        ep.host_ifindex = host_idx;
+        // Guest side, through the netlink socket opened inside the namespace.
+        let gidx = Self::index_of(&nsh, "eth0")
+            .await?
+            .ok_or_else(|| NetError::NoLink("eth0".into()))?;
         nsh.link()
             .set(gidx)
             .up()
@@ -326,12 +319,6 @@ impl Network {
         // interface, so nothing on the host is reachable through an address of this link.
         // Without a switch every host end has the gateway address and the host reaches a given
         // sandbox by binding its socket to the interface (SO_BINDTODEVICE).
-        h.link()
-            .set(host_idx)
-            .address(id.gateway_mac.to_vec())
-            .execute()
-            .await
-            .map_err(nl("set gateway mac"))?;
         if !self.hook.isolates() {
             h.address()
                 .add(host_idx, IpAddr::V4(id.gateway_ip), id.prefix_len)
@@ -400,4 +387,39 @@ impl Network {
             })
             .unwrap_or_default()
     }
+}
+
+/// Body of the netns thread: creates and bind-mounts a new network namespace at `path` and
+/// opens a netlink socket inside it.
+fn netns_thread(path: PathBuf, rt: tokio::runtime::Handle) -> Result<rtnetlink::Handle, NetError> {
+    let ioe = |op: &'static str, p: &Path| {
+        let path = p.display().to_string();
+        move |source| NetError::Io { op, path, source }
+    };
+    std::fs::File::create(&path).map_err(ioe("create", &path))?;
+    // SAFETY: unshare affects only this thread, which exits right after.
+    if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
+        return Err(ioe("unshare(NEWNET)", &path)(
+            std::io::Error::last_os_error(),
+        ));
+    }
+    let src = std::ffi::CString::new("/proc/thread-self/ns/net").unwrap_or_default();
+    let dst = cpath(&path);
+    // SAFETY: valid strings; bind mount of our own namespace file.
+    let r = unsafe {
+        libc::mount(
+            src.as_ptr(),
+            dst.as_ptr(),
+            std::ptr::null(),
+            libc::MS_BIND,
+            std::ptr::null(),
+        )
+    };
+    if r != 0 {
+        return Err(ioe("bind netns", &path)(std::io::Error::last_os_error()));
+    }
+    let _g = rt.enter();
+    let (conn, handle, _) = rtnetlink::new_connection().map_err(ioe("netlink socket", &path))?;
+    rt.spawn(conn);
+    Ok(handle)
 }

@@ -657,50 +657,137 @@ impl Node {
                 NodeError::Internal(format!("creating {}: {e}", paths.dir.display()))
             })?;
             self.save(&req.id, st)?;
-            self.prepare_disk(
-                &st.template,
-                &st.build,
-                rootfs,
-                &paths.disk(),
-                st.shape.disk_mib,
-            )
-            .await?;
-            tracing::debug!(id = %req.id, us = t0.elapsed().as_micros() as u64, "disk ready");
-            let ep = self.take_endpoint().await?;
-            tracing::debug!(id = %req.id, us = t0.elapsed().as_micros() as u64, "endpoint ready");
-            st.endpoint = Some(ep.clone());
+            // Disk clone, network endpoint and cgroup are independent: build them at once.
+            let disk = async {
+                let t = Instant::now();
+                let r = self
+                    .prepare_disk(
+                        &st.template,
+                        &st.build,
+                        rootfs,
+                        &paths.disk(),
+                        st.shape.disk_mib,
+                    )
+                    .await;
+                (r, t.elapsed())
+            };
+            // A pooled endpoint when there is one; else only the namespace now, and the veth
+            // while the sandbox starts in it.
+            let endpoint = async {
+                let t = Instant::now();
+                let pooled = self.pools.net.lock().ok().and_then(|mut v| v.pop());
+                let r = match pooled {
+                    Some(ep) => {
+                        self.pools.wake.notify_one();
+                        Ok((ep, None))
+                    }
+                    None => {
+                        let ep = self.net.endpoint_for(&new_key());
+                        match self.net.create_netns_only(&ep).await {
+                            Ok(h) => Ok((ep, Some(h))),
+                            Err(e) => {
+                                self.net.destroy(&ep).await;
+                                Err(NodeError::Internal(format!("network namespace: {e}")))
+                            }
+                        }
+                    }
+                };
+                (r, t.elapsed())
+            };
+            let (cg, key, limits) = (self.cg.clone(), st.key.clone(), self.limits(st.shape));
+            let cgroup = async move {
+                let t = Instant::now();
+                let r = tokio::task::spawn_blocking(move || {
+                    cg.create(&key)?;
+                    cg.set_limits(&key, limits)
+                })
+                .await
+                .map_err(|e| NodeError::Internal(e.to_string()))
+                .and_then(|r| r.map_err(|e| NodeError::Internal(format!("cgroup: {e}"))));
+                (r, t.elapsed())
+            };
+            let tp = Instant::now();
+            let ((disk_r, disk_t), (ep_r, ep_t), (cg_r, cg_t)) =
+                tokio::join!(disk, endpoint, cgroup);
+            self.phase("disk", disk_t);
+            self.phase("endpoint", ep_t);
+            self.phase("cgroup", cg_t);
+            self.phase("prepare", tp.elapsed());
+            // Record the endpoint before failing on anything else, so cleanup releases it.
+            if let Ok((ep, _)) = ep_r.as_ref() {
+                st.endpoint = Some(ep.clone());
+            }
+            let (ep, nsh) = ep_r?;
+            disk_r?;
+            cg_r?;
+            tracing::debug!(id = %req.id, disk_us = disk_t.as_micros() as u64, endpoint_us = ep_t.as_micros() as u64, cgroup_us = cg_t.as_micros() as u64, us = t0.elapsed().as_micros() as u64, "disk, netns and cgroup ready");
             self.save(&req.id, st)?;
-            let (settings, cg, key, netns, limits) = (
+            let (settings, cg, key, netns) = (
                 self.launch.clone(),
                 self.cg.clone(),
                 st.key.clone(),
                 ep.netns_path.clone(),
-                self.limits(st.shape),
             );
             let p2 = paths.clone();
-            let (pid, start) = tokio::task::spawn_blocking(move || {
-                runtime::launch(&settings, &cg, &key, &p2, &netns, limits)
-            })
-            .await
-            .map_err(|e| NodeError::Internal(e.to_string()))?
-            .map_err(|e| NodeError::Internal(format!("starting sandbox: {e}")))?;
+            let tl = Instant::now();
+            let launch = tokio::task::spawn_blocking(move || {
+                let r = runtime::launch_prepared(&settings, &cg, &key, &p2, &netns);
+                (r, tl.elapsed())
+            });
+            // The veth and the switch binding need only the namespace: build them while the
+            // launcher runs (the agent listens on 0.0.0.0 and is reached only after this).
+            let tw = Instant::now();
+            let wired = match nsh {
+                Some(h) => self
+                    .net
+                    .wire_netns(ep, h)
+                    .await
+                    .map_err(|e| NodeError::Internal(format!("network endpoint: {e}"))),
+                None => Ok(ep),
+            };
+            self.phase("veth", tw.elapsed());
+            let tpol = Instant::now();
+            let policy = wired.and_then(|ep| {
+                st.endpoint = Some(ep.clone());
+                self.net
+                    .hook()
+                    .apply_policy(&ep, &st.policy)
+                    .map_err(internal("network policy"))
+            });
+            self.phase("policy", tpol.elapsed());
+            let (launched, launch_t) = launch
+                .await
+                .map_err(|e| NodeError::Internal(e.to_string()))?;
+            self.phase("launch", launch_t);
+            // Record the pid first: a network error must still kill the started sandbox.
+            let (pid, start) =
+                launched.map_err(|e| NodeError::Internal(format!("starting sandbox: {e}")))?;
             st.pid = pid;
             st.pid_start = start;
+            st.host_addr = match policy {
+                Ok(a) => a,
+                Err(e) => {
+                    let _ = self.save(&req.id, st);
+                    return Err(e);
+                }
+            };
             self.save(&req.id, st)?;
-            tracing::debug!(id = %req.id, us = t0.elapsed().as_micros() as u64, "launched");
+            tracing::debug!(id = %req.id, launch_us = launch_t.as_micros() as u64, us = t0.elapsed().as_micros() as u64, "launched");
         }
         let ep = st
             .endpoint
             .clone()
             .ok_or_else(|| NodeError::Internal("sandbox has no network endpoint".into()))?;
-        let addr = self
-            .net
-            .hook()
-            .apply_policy(&ep, &st.policy)
-            .map_err(internal("network policy"))?;
-        if addr != st.host_addr {
-            st.host_addr = addr;
-            self.save(&req.id, st)?;
+        if from_pool {
+            let addr = self
+                .net
+                .hook()
+                .apply_policy(&ep, &st.policy)
+                .map_err(internal("network policy"))?;
+            if addr != st.host_addr {
+                st.host_addr = addr;
+                self.save(&req.id, st)?;
+            }
         }
         let agent = self.agent(&ep, st.host_addr);
         let timeout = Duration::from_millis(u64::from(if req.ready_timeout_ms == 0 {
@@ -708,6 +795,7 @@ impl Node {
         } else {
             req.ready_timeout_ms
         }));
+        let th = Instant::now();
         if !from_pool {
             agent.wait_healthy(timeout).await.map_err(|e| {
                 let log = std::fs::read_to_string(paths.log()).unwrap_or_default();
@@ -722,6 +810,9 @@ impl Node {
                     .join(" | ");
                 NodeError::DeadlineExceeded(format!("sandbox {}: {e}; agent log: {tail}", req.id))
             })?;
+        }
+        if !from_pool {
+            self.phase("healthy", th.elapsed());
         }
         tracing::debug!(id = %req.id, us = t0.elapsed().as_micros() as u64, "agent healthy");
         let user = if req.default_user.is_empty() {
@@ -743,6 +834,7 @@ impl Node {
             default_user: user,
             default_workdir: workdir,
         };
+        let ti = Instant::now();
         agent
             .init(&init)
             .await
@@ -750,12 +842,24 @@ impl Node {
         st.phase = Phase::Running;
         st.create_latency_us = t0.elapsed().as_micros() as u64;
         self.save(&req.id, st)?;
+        if !from_pool {
+            self.phase("init", ti.elapsed());
+            self.phase("total", t0.elapsed());
+        }
         self.metrics
             .create_seconds
             .with_label_values(&[if from_pool { "true" } else { "false" }])
             .observe(t0.elapsed().as_secs_f64());
         tracing::info!(id = %req.id, template = %st.template, from_pool, latency_us = st.create_latency_us, "sandbox ready");
         Ok(())
+    }
+
+    /// Records one phase of a create in `cube_create_phase_seconds{phase}`.
+    fn phase(&self, name: &str, d: Duration) {
+        self.metrics
+            .create_phase
+            .with_label_values(&[name])
+            .observe(d.as_secs_f64());
     }
 
     /// A disk for a sandbox: a pre-cloned one when the pool has it, else a clone now.

@@ -89,10 +89,21 @@ pub fn launch(
     netns: &Path,
     limits: Limits,
 ) -> Result<(i32, u64), RuntimeError> {
-    std::fs::create_dir_all(paths.root())
-        .map_err(|e| RuntimeError::Other(format!("mkdir root: {e}")))?;
     cg.create(key)?;
     cg.set_limits(key, limits)?;
+    launch_prepared(settings, cg, key, paths, netns)
+}
+
+/// Like [`launch`], for a sandbox whose cgroup already exists with its limits set.
+pub fn launch_prepared(
+    settings: &LaunchSettings,
+    cg: &Cgroups,
+    key: &str,
+    paths: &SandboxPaths,
+    netns: &Path,
+) -> Result<(i32, u64), RuntimeError> {
+    std::fs::create_dir_all(paths.root())
+        .map_err(|e| RuntimeError::Other(format!("mkdir root: {e}")))?;
     let spec = InitSpec {
         disk: paths.disk(),
         root: paths.root(),

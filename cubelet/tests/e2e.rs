@@ -36,6 +36,20 @@ async fn sandbox_lifecycle_commands_files_pause_resume_kill() {
     assert_eq!(sb.runtime, "namespace");
     assert_eq!(sb.state, pb::SandboxState::Running as i32);
     assert!(!sb.host_interface.is_empty());
+    // A create without a pool records each of its phases once.
+    assert!(!sb.from_pool);
+    let body = http_get(&c.http, "/metrics").await;
+    for ph in [
+        "disk", "endpoint", "cgroup", "prepare", "launch", "veth", "policy", "healthy", "init",
+        "total",
+    ] {
+        assert!(
+            body.contains(&format!(
+                "cube_create_phase_seconds_count{{phase=\"{ph}\"}} 1\n"
+            )),
+            "phase {ph}: {body}"
+        );
+    }
 
     // A command through the agent sees the env var from /init, runs as `user`, in its own
     // hostname and pid namespace, with the guest network identity.

@@ -68,7 +68,7 @@ fn write_config(
     agent: &Path,
     pool: u32,
     net: u32,
-) -> anyhow::Result<(PathBuf, String)> {
+) -> anyhow::Result<(PathBuf, String, String)> {
     let (g, h) = (free_port()?, free_port()?);
     let started = if pool > 0 {
         format!("mini = {pool}")
@@ -88,7 +88,7 @@ fn write_config(
     );
     let p = root.join(format!("cubelet-{pool}.toml"));
     std::fs::write(&p, cfg)?;
-    Ok((p, format!("http://127.0.0.1:{g}")))
+    Ok((p, format!("http://127.0.0.1:{g}"), format!("127.0.0.1:{h}")))
 }
 
 async fn start(
@@ -141,6 +141,39 @@ fn req(id: &str) -> pb::CreateSandboxRequest {
         }),
         ..Default::default()
     }
+}
+
+/// Phases of the no-pool create path, in the order they happen (`prepare` is the wall time
+/// of disk + endpoint (the netns) + cgroup, which run concurrently; `veth` and `policy` run
+/// while `launch` does).
+const PHASES: [&str; 10] = [
+    "disk", "endpoint", "cgroup", "prepare", "launch", "veth", "policy", "healthy", "init", "total",
+];
+
+/// Scrapes cubelet's `/metrics` and returns (phase, count, sum seconds) from
+/// `cube_create_phase_seconds`.
+fn phase_sums(http: &str) -> anyhow::Result<Vec<(String, f64, f64)>> {
+    use std::io::{Read, Write};
+    let mut c = std::net::TcpStream::connect(http).with_context(|| format!("connect {http}"))?;
+    c.set_read_timeout(Some(Duration::from_secs(10)))?;
+    write!(
+        c,
+        "GET /metrics HTTP/1.0\r\nHost: {http}\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut body = String::new();
+    c.read_to_string(&mut body)?;
+    let mut out = Vec::new();
+    for ph in PHASES {
+        let get = |suffix: &str| -> f64 {
+            let pre = format!("cube_create_phase_seconds_{suffix}{{phase=\"{ph}\"}} ");
+            body.lines()
+                .find_map(|l| l.strip_prefix(pre.as_str()))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(0.0)
+        };
+        out.push((ph.to_string(), get("count"), get("sum")));
+    }
+    Ok(out)
 }
 
 fn pct(v: &mut [f64], p: f64) -> f64 {
@@ -255,7 +288,7 @@ async fn main() -> anyhow::Result<()> {
     if !st.success() {
         bail!("assembling the host-root template failed");
     }
-    let (cfg0, grpc0) = write_config(&root, &agent, 0, 0)?;
+    let (cfg0, grpc0, http0) = write_config(&root, &agent, 0, 0)?;
     let st = Command::new(&cubelet)
         .arg("--config")
         .arg(&cfg0)
@@ -272,18 +305,20 @@ async fn main() -> anyhow::Result<()> {
     eprintln!("cold creates ({})...", a.iterations);
     let cold = {
         let (_d, mut cl) = start(&cubelet, &cfg0, &grpc0, &log).await?;
-        measure(&mut cl, "cold", a.iterations, false).await?
+        let s = measure(&mut cl, "cold", a.iterations, false).await?;
+        (s, phase_sums(&http0)?)
     };
+    let (cold, phases) = cold;
     // Warm: pre-started sandboxes waiting for /init.
     eprintln!("warm-pool creates ({})...", a.iterations);
-    let (cfg1, grpc1) = write_config(&root, &agent, a.pool, 8)?;
+    let (cfg1, grpc1, _) = write_config(&root, &agent, a.pool, 8)?;
     let warm = {
         let (_d, mut cl) = start(&cubelet, &cfg1, &grpc1, &log).await?;
         measure(&mut cl, "warm", a.iterations, true).await?
     };
     // Idle memory: many sandboxes, nothing running in them but the agent.
     eprintln!("idle memory ({} sandboxes)...", a.idle);
-    let (cfg2, grpc2) = write_config(&root, &agent, 0, 0)?;
+    let (cfg2, grpc2, _) = write_config(&root, &agent, 0, 0)?;
     let (idle_done, per_sb_kib, cg_kib, slab_kib, elapsed_s) = {
         let (_d, mut cl) = start(&cubelet, &cfg2, &grpc2, &log).await?;
         tokio::time::sleep(Duration::from_secs(1)).await;
@@ -376,6 +411,14 @@ async fn main() -> anyhow::Result<()> {
         cold.client_ms.len(),
         "≤ 50 ms",
     ));
+    md.push_str("\n\n## No-pool create: mean per phase (cubelet `cube_create_phase_seconds`)\n\n| phase | n | mean ms |\n|---|---|---|\n");
+    let mut phase_json = serde_json::Map::new();
+    for (ph, n, sum) in &phases {
+        let mean = if *n > 0.0 { sum / n * 1e3 } else { 0.0 };
+        md.push_str(&format!("| {ph} | {n} | {mean:.2} |\n"));
+        phase_json.insert(ph.clone(), serde_json::json!({"n": n, "mean_ms": mean}));
+    }
+    md.push_str("\n(disk, endpoint (netns) and cgroup run concurrently: `prepare` is their wall time; `veth` and `policy` run while `launch` does.)");
     md.push_str("\n\n## Idle sandboxes\n\n| sandboxes | create time s | host MemAvailable drop / sandbox KiB | cgroup memory / sandbox KiB | slab / sandbox KiB |\n|---|---|---|---|---|\n");
     md.push_str(&format!(
         "| {idle_done} | {elapsed_s:.1} | {per_sb_kib} | {cg_kib} | {slab_kib} |\n"
@@ -386,7 +429,7 @@ async fn main() -> anyhow::Result<()> {
         "unix_time": unix,
         "runtime": "namespace",
         "warm_pool": {"n": warm.client_ms.len(), "from_pool": warm.from_pool, "client_ms_p50": pct(&mut warm_c, 0.5), "client_ms_p99": pct(&mut warm_c, 0.99), "node_ms_p50": pct(&mut warm_s, 0.5), "node_ms_p99": pct(&mut warm_s, 0.99), "client_ms": warm.client_ms, "target_p50_ms": 5},
-        "no_pool": {"n": cold.client_ms.len(), "client_ms_p50": pct(&mut cold_c, 0.5), "client_ms_p99": pct(&mut cold_c, 0.99), "node_ms_p50": pct(&mut cold_s, 0.5), "node_ms_p99": pct(&mut cold_s, 0.99), "client_ms": cold.client_ms, "target_p50_ms": 50},
+        "no_pool": {"n": cold.client_ms.len(), "client_ms_p50": pct(&mut cold_c, 0.5), "client_ms_p99": pct(&mut cold_c, 0.99), "node_ms_p50": pct(&mut cold_s, 0.5), "node_ms_p99": pct(&mut cold_s, 0.99), "client_ms": cold.client_ms, "target_p50_ms": 50, "phases_mean": phase_json},
         "idle": {"sandboxes": idle_done, "create_seconds": elapsed_s, "host_mem_available_drop_kib_per_sandbox": per_sb_kib, "cgroup_memory_kib_per_sandbox": cg_kib, "slab_kib_per_sandbox": slab_kib},
     });
     std::fs::write(out.join("results.json"), serde_json::to_vec_pretty(&json)?)?;
