@@ -1,4 +1,9 @@
-//! E2B-compatible REST API (:3000) and sandbox edge proxy (:3001).
-//!
-//! Not built yet: this crate is filled by issue 6. It deliberately exports nothing, so that
-//! nothing can depend on behaviour that does not exist.
+//! E2B-compatible REST API (:3000) and sandbox edge proxy (:3001), both backed by cube-master.
+
+pub mod config;
+pub mod edge;
+pub mod error;
+pub mod master;
+pub mod rest;
+
+pub use config::ApiConfig;

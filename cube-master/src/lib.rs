@@ -1,4 +1,26 @@
-//! Scheduler and source of truth: sandbox state machine, nodes, templates, in SQL.
+//! Scheduler and source of truth: sandbox state machine, nodes, API keys, in SQL.
 //!
-//! Not built yet: this crate is filled by issue 6. It deliberately exports nothing, so that
-//! nothing can depend on behaviour that does not exist.
+//! cube-api and cubectl talk to it over gRPC (`cube.master.v1.Master`); it talks to the
+//! cubelets (`cube.node.v1.Node`).
+
+pub mod apikey;
+pub mod config;
+pub mod db;
+pub mod error;
+pub mod nodes;
+pub mod reaper;
+pub mod scheduler;
+pub mod server;
+pub mod service;
+pub mod state;
+
+pub use config::MasterConfig;
+pub use error::MasterError;
+
+/// Unix time in milliseconds.
+pub fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}

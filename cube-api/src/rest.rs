@@ -1,0 +1,464 @@
+//! The control-plane REST API (E2B `api.e2b.app` subset the SDKs use).
+
+use crate::error::ApiError;
+use crate::master::Master;
+use crate::ApiConfig;
+use axum::body::Bytes;
+use axum::extract::{Path, Query, Request, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Extension, Json, Router};
+use cube_proto::master::v1 as pb;
+use serde_json::{json, Map, Value};
+use std::collections::{BTreeMap, HashMap};
+
+#[derive(Clone)]
+pub struct AppState {
+    pub master: Master,
+    pub cfg: ApiConfig,
+}
+
+/// The caller's team, set by the auth middleware.
+#[derive(Clone)]
+pub struct Team(pub String);
+
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/sandboxes", post(create_v1).get(list))
+        .route("/v2/sandboxes", post(create_v2).get(list))
+        .route("/sandboxes/:id", get(get_one).delete(kill))
+        .route("/sandboxes/:id/timeout", post(set_timeout))
+        .route("/sandboxes/:id/pause", post(pause))
+        .route("/sandboxes/:id/resume", post(resume))
+        .route("/sandboxes/:id/connect", post(connect))
+        .route("/v2/sandboxes/:id/connect", post(connect))
+        .fallback(not_found)
+        .layer(middleware::from_fn_with_state(state.clone(), auth))
+        .route("/health", get(|| async { StatusCode::OK }))
+        .with_state(state)
+}
+
+async fn not_found() -> ApiError {
+    ApiError::new(StatusCode::NOT_FOUND, "Not found")
+}
+
+async fn auth(State(st): State<AppState>, mut req: Request, next: Next) -> Response {
+    let key = req
+        .headers()
+        .get("x-api-key")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string();
+    if key.is_empty() {
+        return ApiError::new(StatusCode::UNAUTHORIZED, "Missing API key").into_response();
+    }
+    let mut m = st.master.clone();
+    match m.validate_api_key(pb::ValidateApiKeyRequest { key }).await {
+        Ok(r) => {
+            req.extensions_mut().insert(Team(r.into_inner().team_id));
+            next.run(req).await
+        }
+        Err(s) if s.code() == tonic::Code::Unauthenticated => {
+            ApiError::new(StatusCode::UNAUTHORIZED, "Invalid API key").into_response()
+        }
+        Err(s) => ApiError::from(s).into_response(),
+    }
+}
+
+fn rfc3339(ms: i64) -> String {
+    // Civil-from-days (Howard Hinnant's algorithm), to avoid a date crate for one format.
+    let secs = ms.div_euclid(1000);
+    let milli = ms.rem_euclid(1000);
+    let days = secs.div_euclid(86400);
+    let sod = secs.rem_euclid(86400);
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{milli:03}Z",
+        sod / 3600,
+        (sod % 3600) / 60,
+        sod % 60
+    )
+}
+
+fn domain(cfg: &ApiConfig) -> Value {
+    if cfg.domain.is_empty() {
+        Value::Null
+    } else {
+        Value::String(cfg.domain.clone())
+    }
+}
+
+/// The `Sandbox` object of create/connect responses.
+fn sandbox_json(s: &pb::SandboxInfo, cfg: &ApiConfig) -> Value {
+    json!({
+        "templateID": s.template,
+        "sandboxID": s.sandbox_id,
+        "clientID": "cube",
+        "envdVersion": s.envd_version,
+        "alias": s.template,
+        "envdAccessToken": s.access_token,
+        "trafficAccessToken": Value::Null,
+        "domain": domain(cfg),
+    })
+}
+
+/// E2B shows `creating`/`resuming` as running and `pausing` as paused.
+fn public_state(s: &str) -> &'static str {
+    match s {
+        "paused" | "pausing" => "paused",
+        _ => "running",
+    }
+}
+
+fn listed_json(s: &pb::SandboxInfo) -> Value {
+    json!({
+        "templateID": s.template,
+        "alias": s.template,
+        "sandboxID": s.sandbox_id,
+        "clientID": "cube",
+        "startedAt": rfc3339(s.started_at_ms),
+        "endAt": rfc3339(s.end_at_ms),
+        "cpuCount": s.vcpus,
+        "memoryMB": s.memory_mib,
+        "diskSizeMB": s.disk_mib,
+        "state": public_state(&s.state),
+        "envdVersion": s.envd_version,
+        "metadata": s.metadata,
+    })
+}
+
+fn detail_json(s: &pb::SandboxInfo, cfg: &ApiConfig) -> Value {
+    let mut v = listed_json(s);
+    if let Value::Object(o) = &mut v {
+        o.insert("envdAccessToken".into(), json!(s.access_token));
+        o.insert("domain".into(), domain(cfg));
+        o.insert("allowInternetAccess".into(), Value::Null);
+        o.insert(
+            "lifecycle".into(),
+            json!({"autoResume": false, "onTimeout": "kill"}),
+        );
+    }
+    v
+}
+
+/// Parses a JSON object body; an empty body is `{}` when `allow_empty`.
+fn parse_body(body: &Bytes, allow_empty: bool) -> Result<Map<String, Value>, ApiError> {
+    if body.iter().all(|b| b.is_ascii_whitespace()) {
+        if allow_empty {
+            return Ok(Map::new());
+        }
+        return Err(ApiError::bad_request("Request body is required"));
+    }
+    match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Object(m)) => Ok(m),
+        Ok(_) => Err(ApiError::bad_request("Request body must be a JSON object")),
+        Err(e) => Err(ApiError::bad_request(format!("Invalid JSON body: {e}"))),
+    }
+}
+
+/// `timeout` in seconds: an integer > 0 (the master checks the maximum).
+fn timeout_field(m: &Map<String, Value>, default: Option<u64>) -> Result<u64, ApiError> {
+    match m.get("timeout") {
+        None | Some(Value::Null) => {
+            default.ok_or_else(|| ApiError::bad_request("timeout is required"))
+        }
+        Some(Value::Number(n)) => match n.as_i64() {
+            Some(t) if t <= 0 => Err(ApiError::bad_request("Timeout must be greater than 0")),
+            Some(t) => Ok(t as u64),
+            None => match n.as_u64() {
+                Some(t) => Ok(t),
+                None => Err(ApiError::bad_request("timeout must be an integer")),
+            },
+        },
+        Some(_) => Err(ApiError::bad_request("timeout must be an integer")),
+    }
+}
+
+fn string_map(m: &Map<String, Value>, key: &str) -> Result<HashMap<String, String>, ApiError> {
+    match m.get(key) {
+        None | Some(Value::Null) => Ok(HashMap::new()),
+        Some(Value::Object(o)) => o
+            .iter()
+            .map(|(k, v)| match v {
+                Value::String(s) => Ok((k.clone(), s.clone())),
+                _ => Err(ApiError::bad_request(format!("{key}.{k} must be a string"))),
+            })
+            .collect(),
+        Some(_) => Err(ApiError::bad_request(format!("{key} must be an object"))),
+    }
+}
+
+async fn create(
+    st: AppState,
+    team: Team,
+    body: Bytes,
+    default_timeout: u64,
+) -> Result<Response, ApiError> {
+    let m = parse_body(&body, false)?;
+    let template = match m.get("templateID") {
+        Some(Value::String(s)) if !s.is_empty() => s.clone(),
+        Some(Value::String(_)) | None | Some(Value::Null) => {
+            return Err(ApiError::bad_request("templateID is required"))
+        }
+        Some(_) => return Err(ApiError::bad_request("templateID must be a string")),
+    };
+    let timeout_s = timeout_field(&m, Some(default_timeout))?;
+    let metadata = string_map(&m, "metadata")?;
+    let env_vars = string_map(&m, "envVars")?;
+    let allow_internet = match m.get("allow_internet_access") {
+        None | Some(Value::Null) => None,
+        Some(Value::Bool(b)) => Some(*b),
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "allow_internet_access must be a boolean",
+            ))
+        }
+    };
+    let mut master = st.master.clone();
+    let r = master
+        .create_sandbox(pb::CreateSandboxRequest {
+            team_id: team.0,
+            template,
+            timeout_s,
+            metadata,
+            env_vars,
+            allow_internet,
+        })
+        .await?
+        .into_inner();
+    Ok((StatusCode::CREATED, Json(sandbox_json(&r, &st.cfg))).into_response())
+}
+
+async fn create_v1(
+    State(st): State<AppState>,
+    Extension(team): Extension<Team>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let d = st.cfg.default_timeout_v1_s;
+    create(st, team, body, d).await
+}
+
+async fn create_v2(
+    State(st): State<AppState>,
+    Extension(team): Extension<Team>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let d = st.cfg.default_timeout_v2_s;
+    create(st, team, body, d).await
+}
+
+fn sref(team: &Team, id: &str) -> pb::SandboxRef {
+    pb::SandboxRef {
+        team_id: team.0.clone(),
+        sandbox_id: id.to_string(),
+    }
+}
+
+async fn get_one(
+    State(st): State<AppState>,
+    Extension(team): Extension<Team>,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    let mut m = st.master.clone();
+    let r = m.get_sandbox(sref(&team, &id)).await?.into_inner();
+    Ok(Json(detail_json(&r, &st.cfg)).into_response())
+}
+
+async fn kill(
+    State(st): State<AppState>,
+    Extension(team): Extension<Team>,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    let mut m = st.master.clone();
+    let r = m.kill_sandbox(sref(&team, &id)).await?.into_inner();
+    if !r.existed {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!("Sandbox \"{id}\" doesn't exist or you don't have access to it"),
+        ));
+    }
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+async fn set_timeout(
+    State(st): State<AppState>,
+    Extension(team): Extension<Team>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let b = parse_body(&body, false)?;
+    let t = timeout_field(&b, None)?;
+    let mut m = st.master.clone();
+    m.set_timeout(pb::SetTimeoutRequest {
+        team_id: team.0,
+        sandbox_id: id,
+        timeout_s: t,
+    })
+    .await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+async fn pause(
+    State(st): State<AppState>,
+    Extension(team): Extension<Team>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    // Old SDKs send no body, new ones `{}` or `{"memory": ...}`: only the shape is checked.
+    parse_body(&body, true)?;
+    let mut m = st.master.clone();
+    m.pause_sandbox(sref(&team, &id)).await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+async fn connect_inner(
+    st: &AppState,
+    team: Team,
+    id: String,
+    body: &Bytes,
+) -> Result<(pb::ConnectSandboxResponse, u64), ApiError> {
+    let b = parse_body(body, true)?;
+    let t = timeout_field(&b, Some(st.cfg.default_timeout_v2_s))?;
+    let mut m = st.master.clone();
+    let r = m
+        .connect_sandbox(pb::ConnectSandboxRequest {
+            team_id: team.0,
+            sandbox_id: id,
+            timeout_s: t,
+        })
+        .await?
+        .into_inner();
+    Ok((r, t))
+}
+
+async fn connect(
+    State(st): State<AppState>,
+    Extension(team): Extension<Team>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let (r, _) = connect_inner(&st, team, id, &body).await?;
+    let sb = r
+        .sandbox
+        .ok_or_else(|| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "empty connect reply"))?;
+    let code = if r.resumed {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    Ok((code, Json(sandbox_json(&sb, &st.cfg))).into_response())
+}
+
+/// Legacy resume (SDK 2.0–2.5): 409 when the sandbox is already running.
+async fn resume(
+    State(st): State<AppState>,
+    Extension(team): Extension<Team>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let mut m = st.master.clone();
+    let cur = m.get_sandbox(sref(&team, &id)).await?.into_inner();
+    if cur.state == "running" {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            format!("Sandbox \"{id}\" is already running"),
+        ));
+    }
+    let (r, _) = connect_inner(&st, team, id, &body).await?;
+    let sb = r
+        .sandbox
+        .ok_or_else(|| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "empty resume reply"))?;
+    Ok((StatusCode::CREATED, Json(sandbox_json(&sb, &st.cfg))).into_response())
+}
+
+async fn list(
+    State(st): State<AppState>,
+    Extension(team): Extension<Team>,
+    Query(q): Query<HashMap<String, String>>,
+) -> Result<Response, ApiError> {
+    let mut states = Vec::new();
+    if let Some(s) = q.get("state") {
+        for x in s.split(',').filter(|x| !x.is_empty()) {
+            match x {
+                "running" => states.extend(["running", "creating", "resuming"]),
+                "paused" => states.extend(["paused", "pausing"]),
+                other => return Err(ApiError::bad_request(format!("invalid state {other:?}"))),
+            }
+        }
+    }
+    let mut metadata = BTreeMap::new();
+    if let Some(md) = q.get("metadata") {
+        for (k, v) in url::form_urlencoded::parse(md.as_bytes()) {
+            metadata.insert(k.into_owned(), v.into_owned());
+        }
+    }
+    let limit = match q.get("limit") {
+        None => 0,
+        Some(l) => match l.parse::<u32>() {
+            Ok(n) if (1..=100).contains(&n) => n,
+            _ => return Err(ApiError::bad_request("limit must be between 1 and 100")),
+        },
+    };
+    let ascending = match q.get("order").map(String::as_str) {
+        None | Some("desc") => false,
+        Some("asc") => true,
+        Some(o) => return Err(ApiError::bad_request(format!("invalid order {o:?}"))),
+    };
+    let mut m = st.master.clone();
+    let r = m
+        .list_sandboxes(pb::ListSandboxesRequest {
+            team_id: team.0,
+            states: states.into_iter().map(String::from).collect(),
+            metadata: metadata.into_iter().collect(),
+            limit,
+            next_token: q.get("nextToken").cloned().unwrap_or_default(),
+            ascending,
+            template: q.get("template").cloned().unwrap_or_default(),
+        })
+        .await?
+        .into_inner();
+    let items: Vec<Value> = r.sandboxes.iter().map(listed_json).collect();
+    let mut headers = HeaderMap::new();
+    if !r.next_token.is_empty() {
+        if let Ok(v) = HeaderValue::from_str(&r.next_token) {
+            headers.insert("x-next-token", v);
+        }
+    }
+    Ok((StatusCode::OK, headers, Json(Value::Array(items))).into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn time_format() {
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(rfc3339(1_700_000_000_123), "2023-11-14T22:13:20.123Z");
+        assert_eq!(rfc3339(951_782_400_000), "2000-02-29T00:00:00.000Z");
+    }
+
+    #[test]
+    fn timeouts() {
+        let m = |s: &str| parse_body(&Bytes::from(s.to_string()), true).unwrap();
+        assert_eq!(timeout_field(&m("{}"), Some(5)).unwrap(), 5);
+        assert_eq!(timeout_field(&m(r#"{"timeout":7}"#), None).unwrap(), 7);
+        assert!(timeout_field(&m(r#"{"timeout":0}"#), None).is_err());
+        assert!(timeout_field(&m(r#"{"timeout":-3}"#), None).is_err());
+        assert!(timeout_field(&m(r#"{"timeout":"x"}"#), None).is_err());
+        assert!(timeout_field(&m(r#"{"timeout":1.5}"#), None).is_err());
+        assert!(parse_body(&Bytes::from_static(b"[1]"), true).is_err());
+        assert!(parse_body(&Bytes::from_static(b"{"), true).is_err());
+        assert!(parse_body(&Bytes::new(), false).is_err());
+    }
+}

@@ -1,0 +1,60 @@
+//! `cube-master.toml`. Every field has a default.
+
+use serde::Deserialize;
+use std::path::Path;
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MasterConfig {
+    /// gRPC listen address for cube-api and cubectl.
+    pub grpc_addr: String,
+    /// sqlx database URL (`sqlite://PATH?mode=rwc`).
+    pub database_url: String,
+    /// cubelet gRPC addresses (`http://host:port`). Static for now; registration comes later.
+    pub nodes: Vec<String>,
+    /// How often each node's NodeStatus is polled.
+    pub node_poll_interval_ms: u64,
+    /// Consecutive failed polls after which a node is NotReady.
+    pub node_max_misses: u32,
+    /// How often the TTL reaper looks for expired sandboxes.
+    pub reaper_interval_ms: u64,
+    /// Longest allowed sandbox timeout, in seconds.
+    pub max_timeout_s: u64,
+    /// Shape of new sandboxes.
+    pub default_vcpus: u32,
+    pub default_memory_mib: u64,
+    /// How long a node may take to create a sandbox (agent healthy), in milliseconds.
+    pub create_timeout_ms: u64,
+    /// Reported when the agent's version cannot be read.
+    pub default_envd_version: String,
+}
+
+impl Default for MasterConfig {
+    fn default() -> Self {
+        MasterConfig {
+            grpc_addr: "127.0.0.1:9090".into(),
+            database_url: "sqlite:///var/lib/cube/master.db?mode=rwc".into(),
+            nodes: vec!["http://127.0.0.1:9091".into()],
+            node_poll_interval_ms: 2000,
+            node_max_misses: 3,
+            reaper_interval_ms: 1000,
+            max_timeout_s: 24 * 3600,
+            default_vcpus: 2,
+            default_memory_mib: 512,
+            create_timeout_ms: 60_000,
+            default_envd_version: "0.6.4".into(),
+        }
+    }
+}
+
+impl MasterConfig {
+    /// Reads a config file; a missing file means all defaults.
+    pub fn load(path: &Path) -> anyhow::Result<MasterConfig> {
+        match std::fs::read_to_string(path) {
+            Ok(s) => Ok(toml::from_str(&s)
+                .map_err(|e| anyhow::anyhow!("parsing {}: {e}", path.display()))?),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(MasterConfig::default()),
+            Err(e) => Err(anyhow::anyhow!("reading {}: {e}", path.display())),
+        }
+    }
+}
