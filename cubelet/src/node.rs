@@ -975,49 +975,38 @@ impl Node {
 
     /// PauseSandbox: freeze the cgroup.
     pub async fn pause(&self, id: &str) -> Result<SandboxState, NodeError> {
-        let e = self.entry(id)?;
-        let mut st = e.lock().await;
-        match st.phase {
-            Phase::Running => {}
-            Phase::Paused => {
-                return Err(NodeError::FailedPrecondition(format!(
-                    "sandbox {id} is already paused"
-                )))
-            }
-            p => {
-                return Err(NodeError::FailedPrecondition(format!(
-                    "sandbox {id} is {p:?}"
-                )))
-            }
-        }
-        let (cg, key) = (self.cg.clone(), st.key.clone());
-        tokio::task::spawn_blocking(move || cg.set_frozen(&key, true))
-            .await
-            .map_err(|e| NodeError::Internal(e.to_string()))?
-            .map_err(|e| NodeError::Internal(e.to_string()))?;
-        st.phase = Phase::Paused;
-        self.save(id, &st)?;
-        let out = st.clone();
-        drop(st);
-        self.update_gauges();
-        Ok(out)
+        self.set_frozen(id, true).await
     }
 
     /// ResumeSandbox: thaw the cgroup.
     pub async fn resume(&self, id: &str) -> Result<SandboxState, NodeError> {
+        self.set_frozen(id, false).await
+    }
+
+    /// Freezes (pause) or thaws (resume) a sandbox's cgroup: Running ⇄ Paused, anything else is
+    /// a failed precondition.
+    async fn set_frozen(&self, id: &str, freeze: bool) -> Result<SandboxState, NodeError> {
         let e = self.entry(id)?;
         let mut st = e.lock().await;
-        if st.phase != Phase::Paused {
-            return Err(NodeError::FailedPrecondition(format!(
-                "sandbox {id} is not paused"
-            )));
+        let (from, to) = if freeze {
+            (Phase::Running, Phase::Paused)
+        } else {
+            (Phase::Paused, Phase::Running)
+        };
+        if st.phase != from {
+            let why = match (freeze, &st.phase) {
+                (true, Phase::Paused) => "is already paused".to_string(),
+                (true, p) => format!("is {p:?}"),
+                (false, _) => "is not paused".to_string(),
+            };
+            return Err(NodeError::FailedPrecondition(format!("sandbox {id} {why}")));
         }
         let (cg, key) = (self.cg.clone(), st.key.clone());
-        tokio::task::spawn_blocking(move || cg.set_frozen(&key, false))
+        tokio::task::spawn_blocking(move || cg.set_frozen(&key, freeze))
             .await
             .map_err(|e| NodeError::Internal(e.to_string()))?
             .map_err(|e| NodeError::Internal(e.to_string()))?;
-        st.phase = Phase::Running;
+        st.phase = to;
         self.save(id, &st)?;
         let out = st.clone();
         drop(st);
