@@ -215,6 +215,95 @@ impl Master for MasterService {
         Ok(Response::new(pb::RevokeApiKeyResponse { existed }))
     }
 
+    // PLACEHOLDER(lead): replaced by the real implementations during this session.
+    async fn register_node(
+        &self,
+        _req: Request<pb::RegisterNodeRequest>,
+    ) -> Result<Response<pb::RegisterNodeResponse>, Status> {
+        Err(Status::unimplemented("register_node"))
+    }
+    async fn node_heartbeat(
+        &self,
+        _req: Request<pb::NodeHeartbeatRequest>,
+    ) -> Result<Response<pb::NodeHeartbeatResponse>, Status> {
+        Err(Status::unimplemented("node_heartbeat"))
+    }
+    async fn cordon_node(
+        &self,
+        _req: Request<pb::NodeRef>,
+    ) -> Result<Response<pb::NodeInfo>, Status> {
+        Err(Status::unimplemented("cordon_node"))
+    }
+    async fn uncordon_node(
+        &self,
+        _req: Request<pb::NodeRef>,
+    ) -> Result<Response<pb::NodeInfo>, Status> {
+        Err(Status::unimplemented("uncordon_node"))
+    }
+    async fn drain_node(
+        &self,
+        _req: Request<pb::DrainNodeRequest>,
+    ) -> Result<Response<pb::DrainNodeResponse>, Status> {
+        Err(Status::unimplemented("drain_node"))
+    }
+    async fn create_join_token(
+        &self,
+        _req: Request<pb::CreateJoinTokenRequest>,
+    ) -> Result<Response<pb::CreateJoinTokenResponse>, Status> {
+        Err(Status::unimplemented("create_join_token"))
+    }
+    async fn snapshot_sandbox(
+        &self,
+        _req: Request<pb::SnapshotSandboxRequest>,
+    ) -> Result<Response<pb::SnapshotInfo>, Status> {
+        Err(Status::unimplemented("snapshot_sandbox"))
+    }
+    async fn list_snapshots(
+        &self,
+        _req: Request<pb::ListSnapshotsRequest>,
+    ) -> Result<Response<pb::ListSnapshotsResponse>, Status> {
+        Err(Status::unimplemented("list_snapshots"))
+    }
+    async fn delete_snapshot(
+        &self,
+        _req: Request<pb::DeleteSnapshotRequest>,
+    ) -> Result<Response<pb::DeleteSnapshotResponse>, Status> {
+        Err(Status::unimplemented("delete_snapshot"))
+    }
+    async fn fork_sandbox(
+        &self,
+        _req: Request<pb::ForkSandboxRequest>,
+    ) -> Result<Response<pb::ForkSandboxResponse>, Status> {
+        Err(Status::unimplemented("fork_sandbox"))
+    }
+    async fn list_templates(
+        &self,
+        _req: Request<pb::ListTemplatesRequest>,
+    ) -> Result<Response<pb::ListTemplatesResponse>, Status> {
+        Err(Status::unimplemented("list_templates"))
+    }
+    async fn get_template(
+        &self,
+        _req: Request<pb::TemplateRef>,
+    ) -> Result<Response<pb::TemplateInfo>, Status> {
+        Err(Status::unimplemented("get_template"))
+    }
+    async fn delete_template(
+        &self,
+        _req: Request<pb::TemplateRef>,
+    ) -> Result<Response<pb::DeleteTemplateResponse>, Status> {
+        Err(Status::unimplemented("delete_template"))
+    }
+    type BuildTemplateStream = std::pin::Pin<
+        Box<dyn futures_util::Stream<Item = Result<pb::BuildTemplateEvent, Status>> + Send>,
+    >;
+    async fn build_template(
+        &self,
+        _req: Request<pb::BuildTemplateRequest>,
+    ) -> Result<Response<Self::BuildTemplateStream>, Status> {
+        Err(Status::unimplemented("build_template"))
+    }
+
     async fn list_nodes(
         &self,
         _req: Request<pb::ListNodesRequest>,
@@ -234,6 +323,7 @@ impl Master for MasterService {
                     sandboxes: s.sandboxes,
                     templates: s.templates,
                     max_sandboxes: s.capacity.map(|c| c.max_sandboxes).unwrap_or(0),
+                    ..Default::default()
                 }
             })
             .collect();

@@ -324,6 +324,23 @@ impl pb::node_server::Node for NodeService {
         }))
     }
 
+    // PLACEHOLDER(lead): replaced by the real implementation during this session.
+    type BuildTemplateStream = std::pin::Pin<
+        Box<dyn futures::Stream<Item = Result<pb::TemplateBuildEvent, Status>> + Send>,
+    >;
+    async fn build_template(
+        &self,
+        _req: Request<pb::ImportTemplateRequest>,
+    ) -> Result<Response<Self::BuildTemplateStream>, Status> {
+        Err(Status::unimplemented("BuildTemplate"))
+    }
+    async fn sandbox_stats(
+        &self,
+        _req: Request<pb::SandboxRef>,
+    ) -> Result<Response<pb::SandboxStatsResponse>, Status> {
+        Err(Status::unimplemented("SandboxStats"))
+    }
+
     async fn node_status(
         &self,
         _req: Request<pb::NodeStatusRequest>,
