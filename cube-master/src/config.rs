@@ -27,6 +27,18 @@ pub struct MasterConfig {
     pub create_timeout_ms: u64,
     /// Reported when the agent's version cannot be read.
     pub default_envd_version: String,
+    /// RegisterNode needs a one-time join token (CreateJoinToken). False = any node that can
+    /// reach the master may register (single-host convenience).
+    pub require_join_token: bool,
+    /// How often registered nodes heartbeat; NotReady after `node_max_misses` intervals
+    /// without one.
+    pub heartbeat_interval_ms: u64,
+    /// Prometheus `/metrics` listen address; empty = no metrics endpoint.
+    pub metrics_addr: String,
+    /// `"text"` or `"json"` (one object per line).
+    pub log_format: cube_proto::logging::LogFormat,
+    /// Mutual TLS for the gRPC server and the links to nodes; absent = plaintext.
+    pub tls: Option<cube_proto::tls::TlsConfig>,
 }
 
 impl Default for MasterConfig {
@@ -43,6 +55,11 @@ impl Default for MasterConfig {
             default_memory_mib: 512,
             create_timeout_ms: 60_000,
             default_envd_version: "0.6.4".into(),
+            require_join_token: false,
+            heartbeat_interval_ms: 2000,
+            metrics_addr: "127.0.0.1:9092".into(),
+            log_format: Default::default(),
+            tls: None,
         }
     }
 }

@@ -1,8 +1,16 @@
-//! SQL storage of sandboxes and API keys (sqlx; SQLite today, portable SQL for PostgreSQL).
+//! SQL storage of sandboxes, API keys and nodes through sqlx's `Any` driver: SQLite
+//! (`sqlite://PATH`) or PostgreSQL (`postgres://...`), one set of migrations for both.
+//!
+//! Portability rules for every query and migration here (both backends run them in CI):
+//! placeholders are `$1, $2, ...` (SQLite accepts `$N` and binds it by number), types are
+//! TEXT / BIGINT only (booleans as 0/1, times as unix milliseconds), no `RETURNING`, no
+//! backend-specific functions; conditional `UPDATE ... WHERE state = $n` is the concurrency
+//! primitive (checked through `rows_affected`).
 
 use crate::error::MasterError;
 use crate::state::SandboxState;
-use sqlx::sqlite::{SqliteConnectOptions, SqlitePool, SqlitePoolOptions};
+use sqlx::any::AnyPoolOptions;
+use sqlx::AnyPool;
 use sqlx::FromRow;
 use std::collections::BTreeMap;
 use std::str::FromStr;
@@ -108,24 +116,76 @@ pub struct ApiKeyRow {
     pub revoked: i64,
 }
 
+/// Which database the URL names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Sqlite,
+    Postgres,
+}
+
+impl Backend {
+    pub fn of_url(url: &str) -> Result<Backend, MasterError> {
+        if url.starts_with("sqlite:") {
+            Ok(Backend::Sqlite)
+        } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            Ok(Backend::Postgres)
+        } else {
+            Err(MasterError::InvalidArgument(format!(
+                "database_url must start with sqlite: or postgres:// (got {:?})",
+                url.split(':').next().unwrap_or_default()
+            )))
+        }
+    }
+}
+
 #[derive(Clone)]
 pub struct Db {
-    pool: SqlitePool,
+    // crate-visible: snapshots.rs keeps its own queries next to its logic.
+    // NOTE: `$1, $2` placeholders only (see the module comment): PostgreSQL rejects `?`.
+    pub(crate) pool: AnyPool,
+    backend: Backend,
 }
 
 impl Db {
-    /// Opens (creating if needed) the database and applies the migrations.
+    /// Opens (creating an SQLite file if needed) the database and applies the migrations.
     pub async fn open(url: &str) -> Result<Db, MasterError> {
-        let opts = SqliteConnectOptions::from_str(url)?
-            .create_if_missing(true)
-            .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
-            .busy_timeout(std::time::Duration::from_secs(5));
-        let pool = SqlitePoolOptions::new()
-            .max_connections(4)
-            .connect_with(opts)
-            .await?;
+        static DRIVERS: std::sync::Once = std::sync::Once::new();
+        DRIVERS.call_once(sqlx::any::install_default_drivers);
+        let backend = Backend::of_url(url)?;
+        let pool = match backend {
+            Backend::Sqlite => {
+                // A plain `sqlite://PATH` would refuse a missing file; the master creates it.
+                let url = if url.contains("mode=") {
+                    url.to_string()
+                } else if url.contains('?') {
+                    format!("{url}&mode=rwc")
+                } else {
+                    format!("{url}?mode=rwc")
+                };
+                let pool = AnyPoolOptions::new()
+                    .max_connections(4)
+                    .connect(&url)
+                    .await?;
+                // WAL lets readers run beside the writer; it is a property of the file.
+                sqlx::query("PRAGMA journal_mode=WAL")
+                    .execute(&pool)
+                    .await?;
+                pool
+            }
+            Backend::Postgres => {
+                AnyPoolOptions::new()
+                    .max_connections(16)
+                    .acquire_timeout(std::time::Duration::from_secs(10))
+                    .connect(url)
+                    .await?
+            }
+        };
         MIGRATOR.run(&pool).await?;
-        Ok(Db { pool })
+        Ok(Db { pool, backend })
+    }
+
+    pub fn backend(&self) -> Backend {
+        self.backend
     }
 
     pub async fn insert_sandbox(&self, r: &SandboxRow) -> Result<(), MasterError> {
@@ -133,7 +193,7 @@ impl Db {
             "INSERT INTO sandboxes (id, team_id, template, build, state, reason, node_id, \
              agent_address, host_interface, access_token, envd_version, metadata, vcpus, \
              memory_mib, disk_mib, runtime, started_at_ms, end_at_ms, updated_at_ms) \
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19)",
         )
         .bind(&r.id)
         .bind(&r.team_id)
@@ -161,7 +221,7 @@ impl Db {
 
     pub async fn get_sandbox(&self, id: &str) -> Result<Option<SandboxRow>, MasterError> {
         Ok(
-            sqlx::query_as::<_, SandboxRow>("SELECT * FROM sandboxes WHERE id = ?")
+            sqlx::query_as::<_, SandboxRow>("SELECT * FROM sandboxes WHERE id = $1")
                 .bind(id)
                 .fetch_optional(&self.pool)
                 .await?,
@@ -170,7 +230,7 @@ impl Db {
 
     pub async fn by_access_token(&self, token: &str) -> Result<Option<SandboxRow>, MasterError> {
         Ok(sqlx::query_as::<_, SandboxRow>(
-            "SELECT * FROM sandboxes WHERE access_token = ? AND state = 'running'",
+            "SELECT * FROM sandboxes WHERE access_token = $1 AND state = 'running'",
         )
         .bind(token)
         .fetch_optional(&self.pool)
@@ -206,7 +266,7 @@ impl Db {
             )));
         }
         let r = sqlx::query(
-            "UPDATE sandboxes SET state = ?, reason = ?, updated_at_ms = ? WHERE id = ? AND state = ?",
+            "UPDATE sandboxes SET state = $1, reason = $2, updated_at_ms = $3 WHERE id = $4 AND state = $5",
         )
         .bind(to.as_str())
         .bind(reason)
@@ -221,8 +281,8 @@ impl Db {
     /// Records where a created sandbox lives.
     pub async fn set_placement(&self, r: &SandboxRow) -> Result<(), MasterError> {
         sqlx::query(
-            "UPDATE sandboxes SET node_id = ?, agent_address = ?, host_interface = ?, build = ?, \
-             envd_version = ?, runtime = ?, disk_mib = ?, updated_at_ms = ? WHERE id = ?",
+            "UPDATE sandboxes SET node_id = $1, agent_address = $2, host_interface = $3, build = $4, \
+             envd_version = $5, runtime = $6, disk_mib = $7, updated_at_ms = $8 WHERE id = $9",
         )
         .bind(&r.node_id)
         .bind(&r.agent_address)
@@ -239,7 +299,7 @@ impl Db {
     }
 
     pub async fn set_end(&self, id: &str, end_at_ms: i64) -> Result<(), MasterError> {
-        sqlx::query("UPDATE sandboxes SET end_at_ms = ?, updated_at_ms = ? WHERE id = ?")
+        sqlx::query("UPDATE sandboxes SET end_at_ms = $1, updated_at_ms = $2 WHERE id = $3")
             .bind(end_at_ms)
             .bind(crate::now_ms())
             .bind(id)
@@ -248,10 +308,10 @@ impl Db {
         Ok(())
     }
 
-    /// Ids of running or paused sandboxes whose end time has passed.
+    /// Ids of running, paused or lost sandboxes whose end time has passed.
     pub async fn expired(&self, now_ms: i64) -> Result<Vec<String>, MasterError> {
         let rows: Vec<(String,)> = sqlx::query_as(
-            "SELECT id FROM sandboxes WHERE state IN ('running', 'paused') AND end_at_ms <= ?",
+            "SELECT id FROM sandboxes WHERE state IN ('running', 'paused', 'lost') AND end_at_ms <= $1",
         )
         .bind(now_ms)
         .fetch_all(&self.pool)
@@ -262,7 +322,7 @@ impl Db {
     pub async fn insert_api_key(&self, k: &ApiKeyRow) -> Result<(), MasterError> {
         sqlx::query(
             "INSERT INTO api_keys (id, name, team_id, key_sha256, prefix, created_at_ms, revoked) \
-             VALUES (?, ?, ?, ?, ?, ?, 0)",
+             VALUES ($1, $2, $3, $4, $5, $6, 0)",
         )
         .bind(&k.id)
         .bind(&k.name)
@@ -277,7 +337,7 @@ impl Db {
 
     pub async fn api_key_by_hash(&self, hash: &str) -> Result<Option<ApiKeyRow>, MasterError> {
         Ok(sqlx::query_as::<_, ApiKeyRow>(
-            "SELECT * FROM api_keys WHERE key_sha256 = ? AND revoked = 0",
+            "SELECT * FROM api_keys WHERE key_sha256 = $1 AND revoked = 0",
         )
         .bind(hash)
         .fetch_optional(&self.pool)
@@ -293,7 +353,7 @@ impl Db {
     }
 
     pub async fn revoke_api_key(&self, id: &str) -> Result<bool, MasterError> {
-        let r = sqlx::query("UPDATE api_keys SET revoked = 1 WHERE id = ? AND revoked = 0")
+        let r = sqlx::query("UPDATE api_keys SET revoked = 1 WHERE id = $1 AND revoked = 0")
             .bind(id)
             .execute(&self.pool)
             .await?;
@@ -312,62 +372,5 @@ mod tests {
         m.insert("user".to_string(), "émile".to_string());
         assert_eq!(decode_map(&encode_map(&m)), m);
         assert!(decode_map("").is_empty());
-    }
-}
-
-#[cfg(test)]
-mod state_tests {
-    use super::*;
-
-    fn row(id: &str) -> SandboxRow {
-        SandboxRow {
-            id: id.into(),
-            team_id: "t".into(),
-            template: "base".into(),
-            build: String::new(),
-            state: "creating".into(),
-            reason: String::new(),
-            node_id: String::new(),
-            agent_address: String::new(),
-            host_interface: String::new(),
-            access_token: format!("tok-{id}"),
-            envd_version: String::new(),
-            metadata: String::new(),
-            vcpus: 1,
-            memory_mib: 1,
-            disk_mib: 0,
-            runtime: String::new(),
-            started_at_ms: 1,
-            end_at_ms: 10,
-            updated_at_ms: 1,
-        }
-    }
-
-    #[tokio::test]
-    async fn guarded_transitions_and_expiry() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = Db::open(&format!("sqlite://{}/m.db?mode=rwc", dir.path().display()))
-            .await
-            .unwrap();
-        db.insert_sandbox(&row("a")).await.unwrap();
-        use SandboxState::*;
-        assert!(db.transition("a", Creating, Running, "ok").await.unwrap());
-        // A second writer that still believes it is creating does not move it.
-        assert!(!db.transition("a", Creating, Failed, "late").await.unwrap());
-        // Illegal steps are refused before touching the database.
-        assert!(db.transition("a", Running, Paused, "skip").await.is_err());
-        let r = db.get_sandbox("a").await.unwrap().unwrap();
-        assert_eq!((r.state.as_str(), r.reason.as_str()), ("running", "ok"));
-        assert_eq!(db.expired(9).await.unwrap(), Vec::<String>::new());
-        assert_eq!(db.expired(10).await.unwrap(), vec!["a".to_string()]);
-        assert_eq!(db.by_access_token("tok-a").await.unwrap().unwrap().id, "a");
-        // Duplicate ids are rejected by the primary key.
-        assert!(db.insert_sandbox(&row("a")).await.is_err());
-        // Reopening keeps the data (migrations are not re-applied).
-        drop(db);
-        let db = Db::open(&format!("sqlite://{}/m.db?mode=rwc", dir.path().display()))
-            .await
-            .unwrap();
-        assert!(db.get_sandbox("a").await.unwrap().is_some());
     }
 }

@@ -4,14 +4,20 @@
 //! cubelets (`cube.node.v1.Node`).
 
 pub mod apikey;
+pub mod catalog;
 pub mod config;
 pub mod db;
 pub mod error;
+pub mod lifecycle;
+pub mod metrics;
+pub mod node_store;
 pub mod nodes;
 pub mod reaper;
+pub mod sandbox_metrics;
 pub mod scheduler;
 pub mod server;
 pub mod service;
+pub mod snapshots;
 pub mod state;
 
 pub use config::MasterConfig;

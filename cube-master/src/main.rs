@@ -30,12 +30,6 @@ enum Cmd {
 }
 
 fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     let cli = Cli::parse();
     match cli.cmd {
         Cmd::DefaultConfig => {
@@ -44,6 +38,18 @@ fn main() -> anyhow::Result<()> {
         }
         Cmd::Run => {
             let cfg = MasterConfig::load(&cli.config)?;
+            let fmt = tracing_subscriber::fmt()
+                .with_env_filter(
+                    tracing_subscriber::EnvFilter::try_from_default_env()
+                        .unwrap_or_else(|_| "info".into()),
+                )
+                .with_writer(std::io::stderr);
+            match cfg.log_format {
+                cube_proto::logging::LogFormat::Json => fmt.json().init(),
+                cube_proto::logging::LogFormat::Text => fmt.init(),
+            }
+            // Node links (master -> cubelet) use the same fleet identity as the server.
+            cube_proto::tls::set_process_tls(cfg.tls.clone()).context("[tls]")?;
             tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()?
@@ -55,24 +61,61 @@ fn main() -> anyhow::Result<()> {
 async fn run(cfg: MasterConfig) -> anyhow::Result<()> {
     let db = Db::open(&cfg.database_url)
         .await
-        .with_context(|| format!("opening {}", cfg.database_url))?;
+        .with_context(|| format!("opening {}", redact_url(&cfg.database_url)))?;
     let nodes = Nodes::new(&cfg.nodes, cfg.node_max_misses)?;
-    nodes.poll_once().await;
-    tokio::spawn(
-        nodes
-            .clone()
-            .run_poller(Duration::from_millis(cfg.node_poll_interval_ms)),
-    );
     let addr = cfg.grpc_addr.parse().context("grpc_addr")?;
     let reap = Duration::from_millis(cfg.reaper_interval_ms);
+    let poll = Duration::from_millis(cfg.node_poll_interval_ms);
+    let metrics_addr = cfg.metrics_addr.clone();
     let ctl = Arc::new(Controller::new(cfg, db, nodes));
+    ctl.load_nodes().await.context("loading nodes")?;
+    ctl.nodes.poll_once().await;
+    tokio::spawn(ctl.nodes.clone().run_poller(poll));
+    tokio::spawn(
+        ctl.clone()
+            .run_node_health(poll.min(Duration::from_millis(1000))),
+    );
     tokio::spawn(reaper::run(ctl.clone(), reap));
-    tracing::info!(%addr, "cube-master listening");
-    tonic::transport::Server::builder()
+    if !metrics_addr.is_empty() {
+        let l = tokio::net::TcpListener::bind(&metrics_addr)
+            .await
+            .with_context(|| format!("binding metrics_addr {metrics_addr}"))?;
+        tracing::info!(addr = %metrics_addr, "metrics on /metrics");
+        let c = ctl.clone();
+        tokio::spawn(async move {
+            if let Err(e) = cube_master::metrics::serve(c, l).await {
+                tracing::error!(error = %e, "metrics server stopped");
+            }
+        });
+    }
+    let mut server = tonic::transport::Server::builder();
+    if let Some(t) = cube_proto::tls::process_tls() {
+        server = server
+            .tls_config(t.server().context("[tls]")?)
+            .context("[tls]")?;
+    }
+    // Bind before telling systemd we are ready (Type=notify).
+    let incoming = tonic::transport::server::TcpIncoming::new(addr, true, None)
+        .map_err(|e| anyhow::anyhow!("binding grpc_addr {addr}: {e}"))?;
+    tracing::info!(%addr, tls = cube_proto::tls::process_tls().is_some(), "cube-master listening");
+    if let Err(e) = cube_proto::systemd::notify_ready() {
+        tracing::warn!(error = %e, "sd_notify READY failed");
+    }
+    server
+        .layer(cube_master::metrics::GrpcLayer(ctl.metrics.clone()))
         .add_service(MasterService::new(ctl))
-        .serve_with_shutdown(addr, shutdown())
+        .serve_with_incoming_shutdown(incoming, shutdown())
         .await?;
+    let _ = cube_proto::systemd::notify_stopping();
     Ok(())
+}
+
+/// The URL without its password, for messages.
+fn redact_url(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => format!("{}://***@{}", &url[..s], &url[at + 1..]),
+        _ => url.to_string(),
+    }
 }
 
 async fn shutdown() {

@@ -1,74 +1,426 @@
-//! The nodes the master schedules onto: static addresses from the config, health from a
-//! periodic NodeStatus poll (NotReady after `node_max_misses` failures in a row).
+//! The nodes the master schedules onto, in memory: static ones from the config (health from a
+//! periodic NodeStatus poll, NotReady after `node_max_misses` failures in a row) and registered
+//! ones (health from heartbeats, NotReady after `node_max_misses` heartbeat intervals without
+//! one). What must survive a restart (identity, cordon, secret hash) is in the `nodes` table;
+//! [`crate::lifecycle`] keeps the two in step and turns health changes into sandbox states.
 
+use crate::scheduler::{self, NoFit, NodeView};
 use cube_proto::nodev1::node_client::NodeClient;
-use cube_proto::nodev1::{NodeStatusRequest, NodeStatusResponse};
+use cube_proto::nodev1::{Capacity, NodeStatusRequest, NodeStatusResponse};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 use tonic::transport::{Channel, Endpoint};
 
+/// Where a node came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Origin {
+    Static,
+    Registered,
+}
+
+impl Origin {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Origin::Static => "static",
+            Origin::Registered => "registered",
+        }
+    }
+}
+
+/// Health as far as the master knows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Health {
+    /// Not heard from yet since this master started (within the grace period).
+    Unknown,
+    Ready,
+    NotReady,
+}
+
 #[derive(Clone, Debug)]
 pub struct Node {
-    /// gRPC address from the config; also the node's key in the database.
+    /// gRPC address the master uses (from the config or the registration).
     pub address: String,
     pub client: NodeClient<Channel>,
+    /// The latest view of the node: its NodeStatus answer (static) or one built from its
+    /// registration and heartbeats (registered).
     pub status: Option<NodeStatusResponse>,
     pub misses: u32,
+    /// `health == Ready`, kept as a field for callers that only need the bit.
     pub ready: bool,
+    pub health: Health,
+    /// The last health [`crate::lifecycle`] acted on (marking sandboxes lost, reconciling).
+    pub handled: Health,
+    pub origin: Origin,
+    pub cordoned: bool,
+    /// Known id (registered nodes; static nodes once they answered or from the database).
+    pub node_id: String,
+    pub last_seen_ms: i64,
+    /// Last time `last_seen_ms` was written to the database.
+    pub persisted_seen_ms: i64,
+    /// MemAvailable reported in heartbeats, MiB (0 = unknown).
+    pub free_memory_mib: u64,
+    /// Creates sent to this node that its reported count does not include yet.
+    pub inflight: u32,
+    /// Templates with ready pool entries (warm starts).
+    pub warm_templates: Vec<String>,
+    /// SHA-256 of the registered node's secret (empty for static nodes).
+    pub secret_sha256: String,
+    /// Static nodes: whether the database has a row for the id it reported.
+    pub db_synced: bool,
+}
+
+fn client_for(address: &str) -> Result<NodeClient<Channel>, crate::MasterError> {
+    // Over mutual TLS when the master's `[tls]` is set (cube_proto::tls::set_process_tls).
+    let ep = cube_proto::tls::client_endpoint(address)
+        .map_err(|e| crate::MasterError::InvalidArgument(format!("node address {address:?}: {e}")))?
+        .connect_timeout(Duration::from_secs(2));
+    Ok(NodeClient::new(ep.connect_lazy()))
+}
+
+/// Checks a node's gRPC address without connecting.
+pub fn check_address(address: &str) -> Result<(), crate::MasterError> {
+    if !(address.starts_with("http://") || address.starts_with("https://")) {
+        return Err(crate::MasterError::InvalidArgument(format!(
+            "node address {address:?} must be an http:// or https:// URL"
+        )));
+    }
+    Endpoint::from_shared(address.to_string())
+        .map(|_| ())
+        .map_err(|e| crate::MasterError::InvalidArgument(format!("node address {address:?}: {e}")))
 }
 
 impl Node {
-    /// The id the node reports, or its address before the first answer.
+    fn new(address: &str, origin: Origin) -> Result<Node, crate::MasterError> {
+        Ok(Node {
+            address: address.to_string(),
+            client: client_for(address)?,
+            status: None,
+            misses: 0,
+            ready: false,
+            health: Health::Unknown,
+            handled: Health::Unknown,
+            origin,
+            cordoned: false,
+            node_id: String::new(),
+            last_seen_ms: 0,
+            persisted_seen_ms: 0,
+            free_memory_mib: 0,
+            inflight: 0,
+            warm_templates: Vec::new(),
+            secret_sha256: String::new(),
+            db_synced: false,
+        })
+    }
+
+    /// The node's id: known id, else the id it reports, else its address.
     pub fn id(&self) -> String {
+        if !self.node_id.is_empty() {
+            return self.node_id.clone();
+        }
         self.status
             .as_ref()
             .map(|s| s.node_id.clone())
             .filter(|s| !s.is_empty())
             .unwrap_or_else(|| self.address.clone())
     }
+
+    fn set_health(&mut self, h: Health) {
+        self.health = h;
+        self.ready = h == Health::Ready;
+    }
+
+    /// The scheduler's view of this node.
+    pub fn view(&self) -> NodeView<'_> {
+        const EMPTY: &[String] = &[];
+        let (sandboxes, max, total, templates) = match &self.status {
+            Some(s) => (
+                s.sandboxes,
+                s.capacity.as_ref().map(|c| c.max_sandboxes).unwrap_or(0),
+                s.capacity.as_ref().map(|c| c.memory_mib).unwrap_or(0),
+                s.templates.as_slice(),
+            ),
+            None => (0, 0, 0, EMPTY),
+        };
+        NodeView {
+            ready: self.ready && self.status.is_some(),
+            cordoned: self.cordoned,
+            sandboxes: sandboxes.saturating_add(self.inflight),
+            max_sandboxes: max,
+            free_memory_mib: self.free_memory_mib,
+            total_memory_mib: total,
+            templates,
+            warm_templates: &self.warm_templates,
+        }
+    }
+
+    fn matches(&self, key: &str) -> bool {
+        !key.is_empty() && (self.address == key || self.id() == key)
+    }
 }
+
+/// What a registration tells the master about a node.
+#[derive(Clone, Debug, Default)]
+pub struct Registration {
+    pub node_id: String,
+    pub address: String,
+    pub version: String,
+    pub runtime: String,
+    pub kvm_kind: String,
+    pub vcpus: u32,
+    pub memory_mib: u64,
+    pub max_sandboxes: u32,
+    pub cordoned: bool,
+    pub secret_sha256: String,
+}
+
+/// What a heartbeat tells the master.
+#[derive(Clone, Debug, Default)]
+pub struct Beat {
+    pub sandboxes: u32,
+    pub templates: Vec<String>,
+    pub disk_free_mib: u64,
+    pub free_memory_mib: u64,
+}
+
+/// Nodes a create tries at most (the best first, then fail-over to the next ones).
+pub const MAX_CANDIDATES: usize = 8;
 
 #[derive(Clone)]
 pub struct Nodes {
     inner: Arc<RwLock<Vec<Node>>>,
     max_misses: u32,
+    heartbeat_interval_ms: u64,
+}
+
+/// Decrements a node's in-flight create count when the create is over.
+pub struct Inflight {
+    nodes: Nodes,
+    address: String,
+}
+
+impl Drop for Inflight {
+    fn drop(&mut self) {
+        self.nodes
+            .update(&self.address, |n| n.inflight = n.inflight.saturating_sub(1));
+    }
 }
 
 impl Nodes {
+    /// Static nodes from the config.
     pub fn new(addresses: &[String], max_misses: u32) -> Result<Nodes, crate::MasterError> {
         let mut v = Vec::new();
         for a in addresses {
-            let ep = Endpoint::from_shared(a.clone())
-                .map_err(|e| crate::MasterError::InvalidArgument(format!("node {a}: {e}")))?
-                .connect_timeout(Duration::from_secs(2));
-            v.push(Node {
-                address: a.clone(),
-                client: NodeClient::new(ep.connect_lazy()),
-                status: None,
-                misses: 0,
-                ready: false,
-            });
+            v.push(Node::new(a, Origin::Static)?);
         }
         Ok(Nodes {
             inner: Arc::new(RwLock::new(v)),
             max_misses: max_misses.max(1),
+            heartbeat_interval_ms: 2000,
         })
     }
 
+    /// Sets the heartbeat interval registered nodes are told to use.
+    pub fn with_heartbeat_interval(mut self, ms: u64) -> Nodes {
+        self.heartbeat_interval_ms = ms.max(10);
+        self
+    }
+
+    pub fn heartbeat_interval_ms(&self) -> u64 {
+        self.heartbeat_interval_ms
+    }
+
+    /// How long a registered node may stay silent before it is NotReady.
+    pub fn heartbeat_timeout_ms(&self) -> i64 {
+        (self.heartbeat_interval_ms * self.max_misses as u64) as i64
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, Vec<Node>> {
+        match self.inner.read() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        }
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, Vec<Node>> {
+        match self.inner.write() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        }
+    }
+
     pub fn snapshot(&self) -> Vec<Node> {
-        self.inner.read().map(|v| v.clone()).unwrap_or_default()
+        self.read().clone()
     }
 
     /// The node with this id or address.
     pub fn find(&self, key: &str) -> Option<Node> {
-        self.snapshot()
-            .into_iter()
-            .find(|n| n.address == key || n.id() == key)
+        self.read().iter().find(|n| n.matches(key)).cloned()
     }
 
-    /// Polls every node once.
+    /// Applies `f` to the node with this id or address; returns its result.
+    pub fn update<T>(&self, key: &str, f: impl FnOnce(&mut Node) -> T) -> Option<T> {
+        self.write().iter_mut().find(|n| n.matches(key)).map(f)
+    }
+
+    /// Ranks the nodes for a sandbox of `template` and returns them best first, counting
+    /// the create as in flight on the first one (so that concurrent creates spread).
+    pub fn place(
+        &self,
+        template: &str,
+        memory_mib: u64,
+    ) -> Result<(Vec<Node>, Option<Inflight>), NoFit> {
+        let mut g = self.write();
+        let order = {
+            let views: Vec<NodeView<'_>> = g.iter().map(Node::view).collect();
+            scheduler::rank(
+                &views,
+                &scheduler::Request {
+                    template,
+                    memory_mib,
+                },
+            )?
+        };
+        let first = order[0];
+        g[first].inflight += 1;
+        let guard = Inflight {
+            nodes: self.clone(),
+            address: g[first].address.clone(),
+        };
+        Ok((
+            order
+                .into_iter()
+                .take(MAX_CANDIDATES)
+                .map(|i| g[i].clone())
+                .collect(),
+            Some(guard),
+        ))
+    }
+
+    /// Adds or updates a registered node (a new address gets a new client).
+    pub fn register(&self, r: &Registration, now_ms: i64) -> Result<(), crate::MasterError> {
+        let mut g = self.write();
+        let status = |prev: Option<&NodeStatusResponse>| NodeStatusResponse {
+            node_id: r.node_id.clone(),
+            version: r.version.clone(),
+            runtime: r.runtime.clone(),
+            kvm_kind: r.kvm_kind.clone(),
+            capacity: Some(Capacity {
+                vcpus: r.vcpus,
+                memory_mib: r.memory_mib,
+                disk_free_mib: prev
+                    .and_then(|p| p.capacity.as_ref())
+                    .map(|c| c.disk_free_mib)
+                    .unwrap_or(0),
+                max_sandboxes: r.max_sandboxes,
+            }),
+            sandboxes: prev.map(|p| p.sandboxes).unwrap_or(0),
+            templates: prev.map(|p| p.templates.clone()).unwrap_or_default(),
+            ..Default::default()
+        };
+        if let Some(n) = g.iter_mut().find(|n| n.node_id == r.node_id) {
+            if n.address != r.address {
+                n.client = client_for(&r.address)?;
+                n.address = r.address.clone();
+            }
+            n.status = Some(status(n.status.as_ref()));
+            n.secret_sha256 = r.secret_sha256.clone();
+            n.last_seen_ms = now_ms;
+            n.misses = 0;
+            n.set_health(Health::Ready);
+            return Ok(());
+        }
+        let mut n = Node::new(&r.address, Origin::Registered)?;
+        n.node_id = r.node_id.clone();
+        n.status = Some(status(None));
+        n.secret_sha256 = r.secret_sha256.clone();
+        n.cordoned = r.cordoned;
+        n.last_seen_ms = now_ms;
+        n.persisted_seen_ms = now_ms;
+        n.set_health(Health::Ready);
+        g.push(n);
+        Ok(())
+    }
+
+    /// Loads a registered node from the database at start: Unknown, with one heartbeat
+    /// timeout of grace before it counts as NotReady.
+    pub fn load_registered(&self, r: &Registration, now_ms: i64) -> Result<(), crate::MasterError> {
+        let mut g = self.write();
+        if g.iter().any(|n| n.node_id == r.node_id) {
+            return Ok(());
+        }
+        let mut n = Node::new(&r.address, Origin::Registered)?;
+        n.node_id = r.node_id.clone();
+        n.secret_sha256 = r.secret_sha256.clone();
+        n.cordoned = r.cordoned;
+        n.status = Some(NodeStatusResponse {
+            node_id: r.node_id.clone(),
+            version: r.version.clone(),
+            runtime: r.runtime.clone(),
+            kvm_kind: r.kvm_kind.clone(),
+            capacity: Some(Capacity {
+                vcpus: r.vcpus,
+                memory_mib: r.memory_mib,
+                disk_free_mib: 0,
+                max_sandboxes: r.max_sandboxes,
+            }),
+            ..Default::default()
+        });
+        n.last_seen_ms = now_ms;
+        n.persisted_seen_ms = now_ms;
+        g.push(n);
+        Ok(())
+    }
+
+    /// Records a heartbeat; `None` when the node is not known (it should register again).
+    /// Returns (cordoned, seen time last persisted).
+    pub fn heartbeat(&self, node_id: &str, b: &Beat, now_ms: i64) -> Option<(bool, i64)> {
+        let mut g = self.write();
+        let n = g
+            .iter_mut()
+            .find(|n| n.origin == Origin::Registered && n.node_id == node_id)?;
+        let st = n.status.get_or_insert_with(|| NodeStatusResponse {
+            node_id: node_id.to_string(),
+            ..Default::default()
+        });
+        // The reported count now includes what was in flight when it was measured.
+        if b.sandboxes != st.sandboxes {
+            n.inflight = 0;
+        }
+        st.sandboxes = b.sandboxes;
+        st.templates = b.templates.clone();
+        st.capacity
+            .get_or_insert_with(Default::default)
+            .disk_free_mib = b.disk_free_mib;
+        n.free_memory_mib = b.free_memory_mib;
+        n.last_seen_ms = now_ms;
+        n.misses = 0;
+        n.set_health(Health::Ready);
+        Some((n.cordoned, n.persisted_seen_ms))
+    }
+
+    /// Marks registered nodes silent for longer than the heartbeat timeout NotReady.
+    pub fn expire(&self, now_ms: i64) {
+        let timeout = self.heartbeat_timeout_ms();
+        for n in self.write().iter_mut() {
+            if n.origin == Origin::Registered
+                && n.health != Health::NotReady
+                && now_ms - n.last_seen_ms > timeout
+            {
+                tracing::warn!(node = %n.node_id, silent_ms = now_ms - n.last_seen_ms, "node missed its heartbeats: not ready");
+                n.set_health(Health::NotReady);
+            }
+        }
+    }
+
+    /// Polls every static node once.
     pub async fn poll_once(&self) {
-        for n in self.snapshot() {
+        let statics: Vec<Node> = self
+            .read()
+            .iter()
+            .filter(|n| n.origin == Origin::Static)
+            .cloned()
+            .collect();
+        let polls = statics.into_iter().map(|n| async move {
             let mut c = n.client.clone();
             let r =
                 tokio::time::timeout(Duration::from_secs(2), c.node_status(NodeStatusRequest {}))
@@ -78,26 +430,50 @@ impl Nodes {
                 Ok(Err(e)) => Err(e.to_string()),
                 Err(_) => Err("NodeStatus timed out".to_string()),
             };
-            if let Ok(mut v) = self.inner.write() {
-                if let Some(e) = v.iter_mut().find(|e| e.address == n.address) {
-                    match res {
-                        Ok(s) => {
-                            if !e.ready {
-                                tracing::info!(node = %n.address, id = %s.node_id, "node ready");
-                            }
-                            e.status = Some(s);
-                            e.misses = 0;
-                            e.ready = true;
-                        }
-                        Err(msg) => {
-                            e.misses += 1;
-                            if e.ready && e.misses >= self.max_misses {
-                                tracing::warn!(node = %n.address, %msg, "node not ready");
-                                e.ready = false;
-                            } else {
-                                tracing::debug!(node = %n.address, %msg, "node poll failed");
-                            }
-                        }
+            (n.address, res)
+        });
+        let results = futures_util::future::join_all(polls).await;
+        let now = crate::now_ms();
+        let mut g = self.write();
+        for (address, res) in results {
+            let Some(e) = g
+                .iter_mut()
+                .find(|e| e.origin == Origin::Static && e.address == address)
+            else {
+                continue;
+            };
+            match res {
+                Ok(s) => {
+                    if !e.ready {
+                        tracing::info!(node = %address, id = %s.node_id, "node ready");
+                    }
+                    if !s.node_id.is_empty() {
+                        e.node_id = s.node_id.clone();
+                    }
+                    e.warm_templates = s
+                        .pools
+                        .iter()
+                        .filter(|p| p.ready > 0 && !p.template.is_empty())
+                        .map(|p| p.template.clone())
+                        .collect();
+                    // NodeStatus reports totals and promised shapes, not what is really
+                    // available (sandboxes rarely use their whole shape): unknown, not filtered.
+                    e.free_memory_mib = 0;
+                    if s.sandboxes != e.status.as_ref().map(|p| p.sandboxes).unwrap_or(u32::MAX) {
+                        e.inflight = 0;
+                    }
+                    e.status = Some(s);
+                    e.misses = 0;
+                    e.last_seen_ms = now;
+                    e.set_health(Health::Ready);
+                }
+                Err(msg) => {
+                    e.misses += 1;
+                    if e.misses >= self.max_misses && e.health != Health::NotReady {
+                        tracing::warn!(node = %address, %msg, "node not ready");
+                        e.set_health(Health::NotReady);
+                    } else {
+                        tracing::debug!(node = %address, %msg, "node poll failed");
                     }
                 }
             }

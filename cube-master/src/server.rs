@@ -1,8 +1,10 @@
 //! The `cube.master.v1.Master` gRPC service over a [`Controller`].
 
 use crate::apikey;
+use crate::catalog;
 use crate::db::SandboxRow;
 use crate::service::{Controller, CreateParams, ListParams};
+use crate::snapshots::Snapshots;
 use crate::state::SandboxState;
 use cube_proto::master::v1 as pb;
 use cube_proto::master::v1::master_server::{Master, MasterServer};
@@ -61,7 +63,8 @@ impl Master for MasterService {
         req: Request<pb::CreateSandboxRequest>,
     ) -> Result<Response<pb::SandboxInfo>, Status> {
         let r = req.into_inner();
-        let row = self
+        let started = std::time::Instant::now();
+        let res = self
             .ctl
             .create(CreateParams {
                 team_id: r.team_id,
@@ -71,7 +74,19 @@ impl Master for MasterService {
                 env_vars: r.env_vars.into_iter().collect(),
                 allow_internet: r.allow_internet,
             })
-            .await?;
+            .await;
+        let m = &self.ctl.metrics;
+        let row = match res {
+            Ok(row) => {
+                m.create_seconds.observe(started.elapsed().as_secs_f64());
+                m.creates.with_label_values(&["ok"]).inc();
+                row
+            }
+            Err(e) => {
+                m.creates.with_label_values(&["error"]).inc();
+                return Err(e.into());
+            }
+        };
         Ok(Response::new(to_info(&row)))
     }
 
@@ -215,118 +230,168 @@ impl Master for MasterService {
         Ok(Response::new(pb::RevokeApiKeyResponse { existed }))
     }
 
-    // PLACEHOLDER(lead): replaced by the real implementations during this session.
     async fn register_node(
         &self,
-        _req: Request<pb::RegisterNodeRequest>,
+        req: Request<pb::RegisterNodeRequest>,
     ) -> Result<Response<pb::RegisterNodeResponse>, Status> {
-        Err(Status::unimplemented("register_node"))
+        Ok(Response::new(
+            self.ctl.register_node(req.into_inner()).await?,
+        ))
     }
     async fn node_heartbeat(
         &self,
-        _req: Request<pb::NodeHeartbeatRequest>,
+        req: Request<pb::NodeHeartbeatRequest>,
     ) -> Result<Response<pb::NodeHeartbeatResponse>, Status> {
-        Err(Status::unimplemented("node_heartbeat"))
+        Ok(Response::new(
+            self.ctl.node_heartbeat(req.into_inner()).await?,
+        ))
     }
     async fn cordon_node(
         &self,
-        _req: Request<pb::NodeRef>,
+        req: Request<pb::NodeRef>,
     ) -> Result<Response<pb::NodeInfo>, Status> {
-        Err(Status::unimplemented("cordon_node"))
+        let id = req.into_inner().node_id;
+        Ok(Response::new(self.ctl.set_cordon(&id, true).await?))
     }
     async fn uncordon_node(
         &self,
-        _req: Request<pb::NodeRef>,
+        req: Request<pb::NodeRef>,
     ) -> Result<Response<pb::NodeInfo>, Status> {
-        Err(Status::unimplemented("uncordon_node"))
+        let id = req.into_inner().node_id;
+        Ok(Response::new(self.ctl.set_cordon(&id, false).await?))
     }
     async fn drain_node(
         &self,
-        _req: Request<pb::DrainNodeRequest>,
+        req: Request<pb::DrainNodeRequest>,
     ) -> Result<Response<pb::DrainNodeResponse>, Status> {
-        Err(Status::unimplemented("drain_node"))
+        let r = req.into_inner();
+        Ok(Response::new(
+            self.ctl.drain_node(&r.node_id, r.kill).await?,
+        ))
     }
     async fn create_join_token(
         &self,
-        _req: Request<pb::CreateJoinTokenRequest>,
+        req: Request<pb::CreateJoinTokenRequest>,
     ) -> Result<Response<pb::CreateJoinTokenResponse>, Status> {
-        Err(Status::unimplemented("create_join_token"))
+        let (token, expires_at_ms) = self.ctl.create_join_token(req.into_inner().ttl_s).await?;
+        Ok(Response::new(pb::CreateJoinTokenResponse {
+            token,
+            expires_at_ms,
+        }))
     }
     async fn snapshot_sandbox(
         &self,
-        _req: Request<pb::SnapshotSandboxRequest>,
+        req: Request<pb::SnapshotSandboxRequest>,
     ) -> Result<Response<pb::SnapshotInfo>, Status> {
-        Err(Status::unimplemented("snapshot_sandbox"))
+        let r = req.into_inner();
+        let s = Snapshots { ctl: &self.ctl }
+            .snapshot(&r.team_id, &r.sandbox_id, &r.name)
+            .await?;
+        Ok(Response::new(s.info()))
     }
     async fn list_snapshots(
         &self,
-        _req: Request<pb::ListSnapshotsRequest>,
+        req: Request<pb::ListSnapshotsRequest>,
     ) -> Result<Response<pb::ListSnapshotsResponse>, Status> {
-        Err(Status::unimplemented("list_snapshots"))
+        let r = req.into_inner();
+        let (rows, next_token) = Snapshots { ctl: &self.ctl }.list(&r).await?;
+        Ok(Response::new(pb::ListSnapshotsResponse {
+            snapshots: rows.iter().map(|s| s.info()).collect(),
+            next_token,
+        }))
     }
     async fn delete_snapshot(
         &self,
-        _req: Request<pb::DeleteSnapshotRequest>,
+        req: Request<pb::DeleteSnapshotRequest>,
     ) -> Result<Response<pb::DeleteSnapshotResponse>, Status> {
-        Err(Status::unimplemented("delete_snapshot"))
+        let r = req.into_inner();
+        let existed = Snapshots { ctl: &self.ctl }
+            .delete(&r.team_id, &r.snapshot_id)
+            .await?;
+        Ok(Response::new(pb::DeleteSnapshotResponse { existed }))
     }
     async fn fork_sandbox(
         &self,
-        _req: Request<pb::ForkSandboxRequest>,
+        req: Request<pb::ForkSandboxRequest>,
     ) -> Result<Response<pb::ForkSandboxResponse>, Status> {
-        Err(Status::unimplemented("fork_sandbox"))
+        let r = req.into_inner();
+        let (snap, results) = Snapshots { ctl: &self.ctl }
+            .fork(&r.team_id, &r.sandbox_id, r.count, r.timeout_s)
+            .await?;
+        let results = results
+            .into_iter()
+            .map(|x| match x {
+                Ok(row) => pb::ForkResult {
+                    sandbox: Some(to_info(&row)),
+                    ..Default::default()
+                },
+                Err(e) => pb::ForkResult {
+                    sandbox: None,
+                    error_code: crate::snapshots::code_name(&e),
+                    error: e.to_string(),
+                },
+            })
+            .collect();
+        Ok(Response::new(pb::ForkSandboxResponse {
+            snapshot: Some(snap.info()),
+            results,
+        }))
     }
     async fn list_templates(
         &self,
         _req: Request<pb::ListTemplatesRequest>,
     ) -> Result<Response<pb::ListTemplatesResponse>, Status> {
-        Err(Status::unimplemented("list_templates"))
+        let templates = catalog::list(&self.ctl).await?;
+        Ok(Response::new(pb::ListTemplatesResponse { templates }))
     }
     async fn get_template(
         &self,
-        _req: Request<pb::TemplateRef>,
+        req: Request<pb::TemplateRef>,
     ) -> Result<Response<pb::TemplateInfo>, Status> {
-        Err(Status::unimplemented("get_template"))
+        let name = req.into_inner().name;
+        // Nodes may hold different builds: the newest one answers, with every holder listed.
+        let builds = catalog::get(&self.ctl, &name).await?;
+        let mut newest = builds
+            .iter()
+            .max_by_key(|t| t.created_at_ms)
+            .cloned()
+            .ok_or_else(|| Status::not_found(format!("template '{name}' not found")))?;
+        let mut holders: Vec<String> = builds.into_iter().flat_map(|t| t.node_ids).collect();
+        holders.sort();
+        holders.dedup();
+        newest.node_ids = holders;
+        Ok(Response::new(newest))
     }
     async fn delete_template(
         &self,
-        _req: Request<pb::TemplateRef>,
+        req: Request<pb::TemplateRef>,
     ) -> Result<Response<pb::DeleteTemplateResponse>, Status> {
-        Err(Status::unimplemented("delete_template"))
+        let builds_deleted = catalog::delete(&self.ctl, &req.into_inner().name).await?;
+        Ok(Response::new(pb::DeleteTemplateResponse { builds_deleted }))
     }
-    type BuildTemplateStream = std::pin::Pin<
-        Box<dyn futures_util::Stream<Item = Result<pb::BuildTemplateEvent, Status>> + Send>,
-    >;
+    type BuildTemplateStream = catalog::EventStream;
     async fn build_template(
         &self,
-        _req: Request<pb::BuildTemplateRequest>,
+        req: Request<pb::BuildTemplateRequest>,
     ) -> Result<Response<Self::BuildTemplateStream>, Status> {
-        Err(Status::unimplemented("build_template"))
+        let s = catalog::build(&self.ctl, req.into_inner()).await?;
+        Ok(Response::new(s))
+    }
+    async fn get_sandbox_metrics(
+        &self,
+        req: Request<pb::SandboxRef>,
+    ) -> Result<Response<cube_proto::nodev1::SandboxStatsResponse>, Status> {
+        let r = req.into_inner();
+        let s = crate::sandbox_metrics::stats(&self.ctl, &r.team_id, &r.sandbox_id).await?;
+        Ok(Response::new(s))
     }
 
     async fn list_nodes(
         &self,
         _req: Request<pb::ListNodesRequest>,
     ) -> Result<Response<pb::ListNodesResponse>, Status> {
-        let nodes = self
-            .ctl
-            .nodes
-            .snapshot()
-            .into_iter()
-            .map(|n| {
-                let s = n.status.clone().unwrap_or_default();
-                pb::NodeInfo {
-                    node_id: n.id(),
-                    address: n.address.clone(),
-                    status: if n.ready { "ready" } else { "not_ready" }.into(),
-                    runtime: s.runtime,
-                    sandboxes: s.sandboxes,
-                    templates: s.templates,
-                    max_sandboxes: s.capacity.map(|c| c.max_sandboxes).unwrap_or(0),
-                    ..Default::default()
-                }
-            })
-            .collect();
-        Ok(Response::new(pb::ListNodesResponse { nodes }))
+        Ok(Response::new(pb::ListNodesResponse {
+            nodes: self.ctl.node_infos(),
+        }))
     }
 }

@@ -6,7 +6,7 @@ use crate::config::MasterConfig;
 use crate::db::{encode_map, Db, SandboxRow};
 use crate::error::MasterError;
 use crate::nodes::{Node, Nodes};
-use crate::scheduler::{self, NoFit};
+use crate::scheduler::NoFit;
 use crate::state::SandboxState;
 use cube_proto::nodev1 as node;
 use rand::Rng;
@@ -42,6 +42,7 @@ pub struct Controller {
     pub cfg: MasterConfig,
     pub db: Db,
     pub nodes: Nodes,
+    pub metrics: Arc<crate::metrics::Metrics>,
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
@@ -70,15 +71,17 @@ fn valid_template(t: &str) -> bool {
 
 impl Controller {
     pub fn new(cfg: MasterConfig, db: Db, nodes: Nodes) -> Controller {
+        let nodes = nodes.with_heartbeat_interval(cfg.heartbeat_interval_ms);
         Controller {
             cfg,
             db,
             nodes,
+            metrics: Arc::new(crate::metrics::Metrics::new()),
             locks: Mutex::new(HashMap::new()),
         }
     }
 
-    fn lock_for(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {
+    pub(crate) fn lock_for(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {
         let mut m = match self.locks.lock() {
             Ok(m) => m,
             Err(p) => p.into_inner(),
@@ -112,7 +115,7 @@ impl Controller {
     }
 
     /// A live sandbox visible to `team` (empty = any team).
-    async fn visible(&self, team: &str, id: &str) -> Result<SandboxRow, MasterError> {
+    pub(crate) async fn visible(&self, team: &str, id: &str) -> Result<SandboxRow, MasterError> {
         match self.db.get_sandbox(id).await? {
             Some(r) if (team.is_empty() || r.team_id == team) && !r.state()?.is_terminal() => Ok(r),
             _ => Err(Self::not_found(id)),
@@ -138,7 +141,7 @@ impl Controller {
             .ok_or_else(|| MasterError::NotFound("no sandbox has this access token".into()))
     }
 
-    pub async fn create(&self, p: CreateParams) -> Result<SandboxRow, MasterError> {
+    pub async fn create(&self, mut p: CreateParams) -> Result<SandboxRow, MasterError> {
         if !valid_template(&p.template) {
             return Err(MasterError::InvalidArgument(format!(
                 "invalid template id {:?}",
@@ -146,7 +149,29 @@ impl Controller {
             )));
         }
         self.check_timeout(p.timeout_s)?;
-        let cands = match scheduler::candidates(&self.nodes.snapshot(), &p.template) {
+        // A snapshot (by id or name) lives on one node: placement is pinned there.
+        let pinned = crate::snapshots::pin_for_create(self, &mut p).await?;
+        let decision_start = std::time::Instant::now();
+        let mut _inflight = None;
+        let placed = pinned.unwrap_or_else(|| {
+            self.nodes
+                .place(&p.template, self.cfg.default_memory_mib)
+                .map(|(c, g)| {
+                    _inflight = g;
+                    c
+                })
+        });
+        self.metrics
+            .decision_seconds
+            .observe(decision_start.elapsed().as_secs_f64());
+        let outcome = match &placed {
+            Ok(_) => "placed",
+            Err(NoFit::NoReadyNode) => "no_ready_node",
+            Err(NoFit::NoTemplate) => "no_template",
+            Err(NoFit::NoCapacity) => "no_capacity",
+        };
+        self.metrics.decisions.with_label_values(&[outcome]).inc();
+        let cands = match placed {
             Ok(c) => c,
             Err(NoFit::NoTemplate) => {
                 return Err(MasterError::NotFound(format!(
@@ -243,6 +268,7 @@ impl Controller {
                     let fatal = matches!(&e, MasterError::Node { status, .. }
                         if status.code() == tonic::Code::InvalidArgument);
                     last_err = Some(e);
+                    self.metrics.failovers.inc();
                     if fatal {
                         break;
                     }
@@ -336,7 +362,7 @@ impl Controller {
             .flatten()
     }
 
-    fn node_of(&self, row: &SandboxRow) -> Result<Node, MasterError> {
+    pub(crate) fn node_of(&self, row: &SandboxRow) -> Result<Node, MasterError> {
         self.nodes.find(&row.node_id).ok_or_else(|| {
             MasterError::Unavailable(format!(
                 "node {} of sandbox {} is unknown",
@@ -365,7 +391,13 @@ impl Controller {
                 "sandbox {id} changed state meanwhile"
             )));
         }
-        if !row.node_id.is_empty() {
+        // A node that is gone cannot be asked; the sandbox is recorded killed now and removed
+        // from the node if it comes back (see lifecycle::reconcile).
+        let node_away = self
+            .nodes
+            .find(&row.node_id)
+            .is_some_and(|n| n.health == crate::nodes::Health::NotReady);
+        if !row.node_id.is_empty() && !node_away {
             let n = self.node_of(&row)?;
             let mut c = n.client.clone();
             let r = tokio::time::timeout(

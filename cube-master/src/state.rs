@@ -14,10 +14,13 @@ pub enum SandboxState {
     Killing,
     Killed,
     Failed,
+    /// Its node stopped answering (missed heartbeats or polls). Not terminal: the node may
+    /// come back with it (→ running/paused) or without it (→ failed); kill and expiry still work.
+    Lost,
 }
 
 impl SandboxState {
-    pub const ALL: [SandboxState; 8] = [
+    pub const ALL: [SandboxState; 9] = [
         SandboxState::Creating,
         SandboxState::Running,
         SandboxState::Pausing,
@@ -26,6 +29,7 @@ impl SandboxState {
         SandboxState::Killing,
         SandboxState::Killed,
         SandboxState::Failed,
+        SandboxState::Lost,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -38,6 +42,7 @@ impl SandboxState {
             SandboxState::Killing => "killing",
             SandboxState::Killed => "killed",
             SandboxState::Failed => "failed",
+            SandboxState::Lost => "lost",
         }
     }
 
@@ -57,6 +62,8 @@ impl SandboxState {
                 | (Paused, Resuming | Killing)
                 | (Resuming, Running | Paused | Killing | Failed)
                 | (Killing, Killed | Failed)
+                | (Running | Paused | Pausing | Resuming, Lost)
+                | (Lost, Running | Paused | Killing | Failed)
         )
     }
 }
@@ -93,6 +100,12 @@ mod tests {
             (Running, Killing),
             (Killing, Killed),
             (Creating, Failed),
+            (Running, Lost),
+            (Paused, Lost),
+            (Lost, Running),
+            (Lost, Paused),
+            (Lost, Killing),
+            (Lost, Failed),
         ] {
             assert!(a.can_go(b), "{a} -> {b}");
         }
@@ -107,6 +120,10 @@ mod tests {
             (Running, Paused),
             (Killed, Killing),
             (Creating, Paused),
+            (Creating, Lost),
+            (Killing, Lost),
+            (Killed, Lost),
+            (Lost, Resuming),
         ] {
             assert!(!a.can_go(b), "{a} -> {b}");
         }

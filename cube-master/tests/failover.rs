@@ -96,6 +96,18 @@ impl Node for Handle {
     ) -> R<pb::DeleteTemplateResponse> {
         Err(Status::unimplemented("fake"))
     }
+    type BuildTemplateStream = std::pin::Pin<
+        Box<dyn futures_core::Stream<Item = Result<pb::TemplateBuildEvent, Status>> + Send>,
+    >;
+    async fn build_template(
+        &self,
+        _r: Request<pb::ImportTemplateRequest>,
+    ) -> R<Self::BuildTemplateStream> {
+        Err(Status::unimplemented("fake"))
+    }
+    async fn sandbox_stats(&self, _r: Request<pb::SandboxRef>) -> R<pb::SandboxStatsResponse> {
+        Err(Status::unimplemented("fake"))
+    }
     async fn node_status(&self, _r: Request<pb::NodeStatusRequest>) -> R<pb::NodeStatusResponse> {
         Ok(Response::new(pb::NodeStatusResponse {
             node_id: self.id.clone(),

@@ -1,0 +1,473 @@
+//! Snapshots and fork. A snapshot is a template build on the node that took it, named by the
+//! snapshot id (so `CreateSandbox(template = snapshot id)` restores it); the master keeps one
+//! row per snapshot to know its team, its optional name and, above all, its node: a create
+//! from a snapshot is pinned to that node instead of going through the template filter.
+
+use crate::db::Db;
+use crate::error::MasterError;
+use crate::nodes::Node;
+use crate::scheduler::{self, NoFit};
+use crate::service::{Controller, CreateParams};
+use crate::state::SandboxState;
+use cube_proto::master::v1 as pb;
+use cube_proto::nodev1 as node;
+use rand::Rng;
+use sqlx::FromRow;
+use std::time::Duration;
+
+/// How long a node may take to snapshot a sandbox (flush + reflink + manifest).
+const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(120);
+/// Fork timeout when the request gives none (E2B's default sandbox timeout).
+const DEFAULT_FORK_TIMEOUT_S: u64 = 300;
+/// Most sandboxes one fork may create (E2B's limit).
+pub const MAX_FORK_COUNT: u32 = 20;
+
+/// One snapshot row.
+#[derive(Debug, Clone, FromRow, PartialEq, Eq)]
+pub struct SnapshotRow {
+    pub id: String,
+    pub name: String,
+    pub team_id: String,
+    pub sandbox_id: String,
+    pub node_id: String,
+    pub template: String,
+    pub build: String,
+    pub filesystem_only: i64,
+    pub created_at_ms: i64,
+}
+
+impl SnapshotRow {
+    pub fn info(&self) -> pb::SnapshotInfo {
+        let mut names = vec![self.id.clone()];
+        if !self.name.is_empty() {
+            names.push(self.name.clone());
+        }
+        pb::SnapshotInfo {
+            snapshot_id: self.id.clone(),
+            names,
+            sandbox_id: self.sandbox_id.clone(),
+            team_id: self.team_id.clone(),
+            node_id: self.node_id.clone(),
+            template: self.template.clone(),
+            build: self.build.clone(),
+            created_at_ms: self.created_at_ms,
+            filesystem_only: self.filesystem_only != 0,
+        }
+    }
+}
+
+/// Snapshot ids look like E2B template ids (20 lowercase alphanumerics); the leading `s`
+/// keeps them apart from sandbox ids (`i…`) and makes them valid node template names.
+pub fn new_snapshot_id() -> String {
+    const A: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
+    let mut r = rand::thread_rng();
+    let tail: String = (0..19)
+        .map(|_| A[r.gen_range(0..A.len())] as char)
+        .collect();
+    format!("s{tail}")
+}
+
+/// User-given snapshot names: what a template name may be, so the name can be used wherever
+/// a template id can.
+pub fn check_name(name: &str) -> Result<(), MasterError> {
+    let ok = !name.is_empty()
+        && name.len() <= 63
+        && name.as_bytes()[0].is_ascii_alphanumeric()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_');
+    if ok {
+        Ok(())
+    } else {
+        Err(MasterError::InvalidArgument(format!(
+            "invalid snapshot name {name:?}: use 1-63 lowercase letters, digits, '-' or '_'"
+        )))
+    }
+}
+
+impl Db {
+    pub async fn insert_snapshot(&self, s: &SnapshotRow) -> Result<(), MasterError> {
+        sqlx::query(
+            "INSERT INTO snapshots (id, name, team_id, sandbox_id, node_id, template, build, \
+             filesystem_only, created_at_ms) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+        )
+        .bind(&s.id)
+        .bind(&s.name)
+        .bind(&s.team_id)
+        .bind(&s.sandbox_id)
+        .bind(&s.node_id)
+        .bind(&s.template)
+        .bind(&s.build)
+        .bind(s.filesystem_only)
+        .bind(s.created_at_ms)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    pub async fn get_snapshot(&self, id: &str) -> Result<Option<SnapshotRow>, MasterError> {
+        Ok(
+            sqlx::query_as::<_, SnapshotRow>("SELECT * FROM snapshots WHERE id = $1")
+                .bind(id)
+                .fetch_optional(&self.pool)
+                .await?,
+        )
+    }
+
+    /// The team's newest snapshot with this name.
+    pub async fn snapshot_by_name(
+        &self,
+        team: &str,
+        name: &str,
+    ) -> Result<Option<SnapshotRow>, MasterError> {
+        Ok(sqlx::query_as::<_, SnapshotRow>(
+            "SELECT * FROM snapshots WHERE team_id = $1 AND name = $2 \
+             ORDER BY created_at_ms DESC, id DESC LIMIT 1",
+        )
+        .bind(team)
+        .bind(name)
+        .fetch_optional(&self.pool)
+        .await?)
+    }
+
+    /// Every snapshot, newest first.
+    pub async fn list_snapshot_rows(&self) -> Result<Vec<SnapshotRow>, MasterError> {
+        Ok(sqlx::query_as::<_, SnapshotRow>(
+            "SELECT * FROM snapshots ORDER BY created_at_ms DESC, id DESC",
+        )
+        .fetch_all(&self.pool)
+        .await?)
+    }
+
+    pub async fn delete_snapshot_row(&self, id: &str) -> Result<bool, MasterError> {
+        let r = sqlx::query("DELETE FROM snapshots WHERE id = $1")
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        Ok(r.rows_affected() == 1)
+    }
+}
+
+/// The snapshot `key` (id, or name) names for `team` (empty = any team, id only for names).
+pub async fn resolve(db: &Db, team: &str, key: &str) -> Result<Option<SnapshotRow>, MasterError> {
+    if let Some(s) = db.get_snapshot(key).await? {
+        if team.is_empty() || s.team_id == team {
+            return Ok(Some(s));
+        }
+        return Ok(None);
+    }
+    if team.is_empty() {
+        return Ok(None);
+    }
+    db.snapshot_by_name(team, key).await
+}
+
+/// Called by create: when the template is one of the team's snapshots, rewrites it to the
+/// snapshot id and returns the only candidate node (or why it cannot take the sandbox).
+/// `None` = an ordinary template, scheduled by the normal filters.
+pub(crate) async fn pin_for_create(
+    ctl: &Controller,
+    p: &mut CreateParams,
+) -> Result<Option<Result<Vec<Node>, NoFit>>, MasterError> {
+    let Some(s) = resolve(&ctl.db, &p.team_id, &p.template).await? else {
+        return Ok(None);
+    };
+    p.template = s.id.clone();
+    let Some(n) = ctl.nodes.find(&s.node_id) else {
+        return Err(MasterError::Unavailable(format!(
+            "node {} holding snapshot {} is not known to this master",
+            s.node_id, s.id
+        )));
+    };
+    // The scheduler's own filters (ready, cordon, capacity, memory), on that one node; its
+    // polled template list may not show the snapshot yet, and need not.
+    let held = [s.id.clone()];
+    let mut v = n.view();
+    v.templates = &held;
+    let r = scheduler::rank(
+        &[v],
+        &scheduler::Request {
+            template: &s.id,
+            memory_mib: ctl.cfg.default_memory_mib,
+        },
+    );
+    Ok(Some(r.map(|_| vec![n.clone()])))
+}
+
+/// Operations on snapshots, over the controller's database, nodes and sandbox locks.
+pub struct Snapshots<'a> {
+    pub ctl: &'a Controller,
+}
+
+impl Snapshots<'_> {
+    /// Snapshots a running or paused sandbox on its node.
+    pub async fn snapshot(
+        &self,
+        team: &str,
+        sandbox_id: &str,
+        name: &str,
+    ) -> Result<SnapshotRow, MasterError> {
+        if !name.is_empty() {
+            check_name(name)?;
+        }
+        let ctl = self.ctl;
+        // Serialised with pause/kill of the same sandbox: the node freezes it meanwhile.
+        let lock = ctl.lock_for(sandbox_id);
+        let _g = lock.lock().await;
+        let row = ctl.visible(team, sandbox_id).await?;
+        match row.state()? {
+            SandboxState::Running | SandboxState::Paused => {}
+            SandboxState::Killing => {
+                return Err(MasterError::NotFound(format!(
+                    "Sandbox \"{sandbox_id}\" doesn't exist or you don't have access to it"
+                )))
+            }
+            s => {
+                return Err(MasterError::FailedPrecondition(format!(
+                    "Sandbox \"{sandbox_id}\" cannot be snapshotted while {s}"
+                )))
+            }
+        }
+        let n = ctl.node_of(&row)?;
+        let id = new_snapshot_id();
+        let mut c = n.client.clone();
+        let r = tokio::time::timeout(
+            SNAPSHOT_TIMEOUT,
+            c.snapshot_sandbox(node::SnapshotSandboxRequest {
+                sandbox_id: sandbox_id.to_string(),
+                template: id.clone(),
+            }),
+        )
+        .await;
+        let resp = match r {
+            Ok(Ok(r)) => r.into_inner(),
+            Ok(Err(status)) => {
+                return Err(MasterError::Node {
+                    node: n.address,
+                    status: Box::new(status),
+                })
+            }
+            Err(_) => {
+                return Err(MasterError::Unavailable(format!(
+                    "snapshot of {sandbox_id} timed out on node {}",
+                    n.address
+                )))
+            }
+        };
+        let s = SnapshotRow {
+            id,
+            name: name.to_string(),
+            team_id: row.team_id.clone(),
+            sandbox_id: sandbox_id.to_string(),
+            node_id: row.node_id.clone(),
+            template: row.template.clone(),
+            build: resp.template.map(|t| t.build).unwrap_or_default(),
+            filesystem_only: i64::from(resp.filesystem_only),
+            created_at_ms: crate::now_ms(),
+        };
+        ctl.db.insert_snapshot(&s).await?;
+        tracing::info!(snapshot = %s.id, sandbox = %sandbox_id, node = %s.node_id, "snapshot taken");
+        Ok(s)
+    }
+
+    /// One page of the team's snapshots, newest first. The token is the last row's
+    /// `<created_at_ms>.<id>`.
+    pub async fn list(
+        &self,
+        r: &pb::ListSnapshotsRequest,
+    ) -> Result<(Vec<SnapshotRow>, String), MasterError> {
+        let limit = if r.limit == 0 { 100 } else { r.limit.min(100) } as usize;
+        let cursor = if r.next_token.is_empty() {
+            None
+        } else {
+            Some(
+                r.next_token
+                    .split_once('.')
+                    .and_then(|(a, b)| Some((a.parse::<i64>().ok()?, b.to_string())))
+                    .ok_or_else(|| MasterError::InvalidArgument("invalid next token".into()))?,
+            )
+        };
+        let mut rows: Vec<SnapshotRow> = self
+            .ctl
+            .db
+            .list_snapshot_rows()
+            .await?
+            .into_iter()
+            .filter(|s| r.team_id.is_empty() || s.team_id == r.team_id)
+            .filter(|s| r.sandbox_id.is_empty() || s.sandbox_id == r.sandbox_id)
+            .filter(|s| r.name.is_empty() || s.name == r.name || s.id == r.name)
+            .filter(|s| match &cursor {
+                Some(k) => (s.created_at_ms, s.id.clone()) < *k,
+                None => true,
+            })
+            .collect();
+        let more = rows.len() > limit;
+        rows.truncate(limit);
+        let token = match (more, rows.last()) {
+            (true, Some(s)) => format!("{}.{}", s.created_at_ms, s.id),
+            _ => String::new(),
+        };
+        Ok((rows, token))
+    }
+
+    /// Deletes a snapshot (by id or name) and its build on the node. Refused while live
+    /// sandboxes were created from it; `Ok(false)` when there is no such snapshot.
+    pub async fn delete(&self, team: &str, key: &str) -> Result<bool, MasterError> {
+        let ctl = self.ctl;
+        let Some(s) = resolve(&ctl.db, team, key).await? else {
+            return Ok(false);
+        };
+        // Under the snapshot's own lock so that two deletes do not race on the node.
+        let lock = ctl.lock_for(&s.id);
+        let _g = lock.lock().await;
+        let users = ctl
+            .db
+            .list_in_states(&[
+                SandboxState::Creating,
+                SandboxState::Running,
+                SandboxState::Pausing,
+                SandboxState::Paused,
+                SandboxState::Resuming,
+            ])
+            .await?
+            .into_iter()
+            .filter(|r| r.template == s.id)
+            .count();
+        if users > 0 {
+            return Err(MasterError::FailedPrecondition(format!(
+                "snapshot {} is in use by {users} sandbox(es); kill them first",
+                s.id
+            )));
+        }
+        if let Some(n) = ctl.nodes.find(&s.node_id) {
+            let mut c = n.client.clone();
+            let r = tokio::time::timeout(
+                Duration::from_secs(60),
+                c.delete_template(node::DeleteTemplateRequest {
+                    name: s.id.clone(),
+                    build: String::new(),
+                }),
+            )
+            .await;
+            match r {
+                Ok(Ok(_)) => {}
+                // Already gone on the node (e.g. its data directory was wiped): forget it.
+                Ok(Err(st)) if st.code() == tonic::Code::NotFound => {}
+                Ok(Err(st)) => {
+                    return Err(MasterError::Node {
+                        node: n.address,
+                        status: Box::new(st),
+                    })
+                }
+                Err(_) => {
+                    return Err(MasterError::Unavailable(format!(
+                        "deleting snapshot {} timed out on node {}",
+                        s.id, n.address
+                    )))
+                }
+            }
+        } else {
+            tracing::warn!(snapshot = %s.id, node = %s.node_id, "snapshot's node is unknown; forgetting the snapshot");
+        }
+        let existed = ctl.db.delete_snapshot_row(&s.id).await?;
+        tracing::info!(snapshot = %s.id, "snapshot deleted");
+        Ok(existed)
+    }
+
+    /// Snapshot once, then `count` sandboxes from it, each succeeding or failing on its own.
+    pub async fn fork(
+        &self,
+        team: &str,
+        sandbox_id: &str,
+        count: u32,
+        timeout_s: u64,
+    ) -> Result<(SnapshotRow, Vec<Result<crate::db::SandboxRow, MasterError>>), MasterError> {
+        let count = if count == 0 { 1 } else { count };
+        if count > MAX_FORK_COUNT {
+            return Err(MasterError::InvalidArgument(format!(
+                "count must be between 1 and {MAX_FORK_COUNT}"
+            )));
+        }
+        let timeout_s = if timeout_s == 0 {
+            DEFAULT_FORK_TIMEOUT_S
+        } else {
+            timeout_s
+        };
+        // Checked before the snapshot so that a bad timeout leaves nothing behind.
+        if timeout_s > self.ctl.cfg.max_timeout_s {
+            return Err(MasterError::InvalidArgument(format!(
+                "Timeout cannot be greater than {} hours",
+                self.ctl.cfg.max_timeout_s / 3600
+            )));
+        }
+        let src = self.ctl.get(team, sandbox_id).await?;
+        let snap = self.snapshot(team, sandbox_id, "").await?;
+        let creates = (0..count).map(|_| {
+            self.ctl.create(CreateParams {
+                team_id: src.team_id.clone(),
+                template: snap.id.clone(),
+                timeout_s,
+                metadata: src.metadata_map(),
+                env_vars: Default::default(),
+                allow_internet: None,
+            })
+        });
+        let results = futures_util::future::join_all(creates).await;
+        Ok((snap, results))
+    }
+}
+
+/// gRPC code name of an error, as fork results carry it.
+pub fn code_name(e: &MasterError) -> String {
+    let s: tonic::Status = match e {
+        MasterError::InvalidArgument(m) => tonic::Status::invalid_argument(m.clone()),
+        MasterError::NotFound(m) => tonic::Status::not_found(m.clone()),
+        MasterError::FailedPrecondition(m) => tonic::Status::failed_precondition(m.clone()),
+        MasterError::Unauthenticated(m) => tonic::Status::unauthenticated(m.clone()),
+        MasterError::ResourceExhausted(m) => tonic::Status::resource_exhausted(m.clone()),
+        MasterError::Unavailable(m) => tonic::Status::unavailable(m.clone()),
+        MasterError::Node { status, .. } => match status.code() {
+            tonic::Code::InvalidArgument
+            | tonic::Code::NotFound
+            | tonic::Code::ResourceExhausted => tonic::Status::new(status.code(), ""),
+            _ => tonic::Status::internal(""),
+        },
+        _ => tonic::Status::internal(""),
+    };
+    format!("{:?}", s.code())
+        .chars()
+        .fold(String::new(), |mut o, c| {
+            if c.is_uppercase() && !o.is_empty() {
+                o.push('_');
+            }
+            o.push(c.to_ascii_uppercase());
+            o
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_and_names() {
+        let id = new_snapshot_id();
+        assert_eq!(id.len(), 20);
+        assert!(id.starts_with('s'));
+        assert!(check_name(&id).is_ok());
+        assert!(check_name("my-snap_1").is_ok());
+        for bad in ["", "-x", "Has Caps", "a/b", "x:1", &"a".repeat(64)] {
+            assert!(check_name(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn code_names() {
+        assert_eq!(
+            code_name(&MasterError::ResourceExhausted("x".into())),
+            "RESOURCE_EXHAUSTED"
+        );
+        assert_eq!(code_name(&MasterError::NotFound("x".into())), "NOT_FOUND");
+        assert_eq!(code_name(&MasterError::Internal("x".into())), "INTERNAL");
+    }
+}

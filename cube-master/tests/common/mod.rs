@@ -1,0 +1,316 @@
+//! Shared test support: a database per test on each backend (SQLite always; PostgreSQL when
+//! `CUBE_TEST_PG_URL` is set, see deploy/postgres-test.sh), and an in-process fake cubelet.
+#![allow(dead_code)]
+
+use cube_proto::nodev1 as pb;
+use cube_proto::nodev1::node_server::{Node, NodeServer};
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use tonic::{Request, Response, Status};
+
+static SEQ: AtomicU32 = AtomicU32::new(0);
+
+/// One test's database. PostgreSQL tests get a schema of their own (dropped on drop), so tests
+/// run in parallel against one database.
+pub struct TestDb {
+    pub url: String,
+    _dir: Option<tempfile::TempDir>,
+    pg: Option<(String, String)>,
+}
+
+impl TestDb {
+    pub fn sqlite() -> TestDb {
+        let dir = tempfile::tempdir().expect("tempdir");
+        TestDb {
+            url: format!("sqlite://{}/m.db", dir.path().display()),
+            _dir: Some(dir),
+            pg: None,
+        }
+    }
+
+    /// A fresh schema in the CUBE_TEST_PG_URL database; `None` (test skipped, with the
+    /// reason printed) when the variable is unset, unless CUBE_REQUIRE_PRIV=1 asks for every
+    /// suite: then the test fails.
+    pub async fn postgres(test: &str) -> Option<TestDb> {
+        let base = match std::env::var("CUBE_TEST_PG_URL") {
+            Ok(u) if !u.is_empty() => u,
+            _ => {
+                let why = "CUBE_TEST_PG_URL is not set (export CUBE_TEST_PG_URL=\"$(deploy/postgres-test.sh)\")";
+                let required = std::env::var("CUBE_REQUIRE_PRIV")
+                    .map(|v| v == "1" || v.eq_ignore_ascii_case("true"))
+                    .unwrap_or(false);
+                suite_log(&format!(
+                    "{} postgres {test}: {why}",
+                    if required { "FAILED " } else { "SKIPPED" }
+                ));
+                if required {
+                    panic!("{test}: PostgreSQL required (CUBE_REQUIRE_PRIV=1) but {why}");
+                }
+                eprintln!("SKIPPED {test}: {why}");
+                return None;
+            }
+        };
+        use sqlx::Connection;
+        let schema = format!(
+            "t_{}_{}_{}",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::SeqCst),
+            rand::random::<u32>()
+        );
+        let mut c = sqlx::PgConnection::connect(&base)
+            .await
+            .unwrap_or_else(|e| panic!("{test}: connecting to CUBE_TEST_PG_URL: {e}"));
+        sqlx::query(&format!("CREATE SCHEMA {schema}"))
+            .execute(&mut c)
+            .await
+            .expect("create schema");
+        let _ = c.close().await;
+        suite_log(&format!("RAN     postgres {test}"));
+        let sep = if base.contains('?') { '&' } else { '?' };
+        Some(TestDb {
+            url: format!("{base}{sep}options[search_path]={schema}"),
+            _dir: None,
+            pg: Some((base, schema)),
+        })
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        let Some((base, schema)) = self.pg.take() else {
+            return;
+        };
+        // Drop runs inside the test's runtime: use a thread with a runtime of its own.
+        let _ = std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            rt.block_on(async {
+                use sqlx::Connection;
+                if let Ok(mut c) = sqlx::PgConnection::connect(&base).await {
+                    let _ = sqlx::query(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"))
+                        .execute(&mut c)
+                        .await;
+                    let _ = c.close().await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
+fn suite_log(line: &str) {
+    use std::io::Write;
+    if let Ok(path) = std::env::var("CUBE_SUITE_LOG") {
+        if let Ok(mut f) = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+        {
+            let _ = writeln!(f, "{line}");
+        }
+    }
+}
+
+/// Runs `$body(url)` once per backend: `mod $name { sqlite, postgres }`.
+#[macro_export]
+macro_rules! both_backends {
+    ($name:ident, $body:path) => {
+        mod $name {
+            #[tokio::test]
+            async fn sqlite() {
+                let db = $crate::common::TestDb::sqlite();
+                $body(db.url.clone()).await;
+            }
+            #[tokio::test]
+            async fn postgres() {
+                let Some(db) =
+                    $crate::common::TestDb::postgres(concat!(module_path!(), "::postgres")).await
+                else {
+                    return;
+                };
+                $body(db.url.clone()).await;
+            }
+        }
+    };
+}
+
+/// A fake cubelet: keeps sandboxes in memory, pauses and resumes them, answers NodeStatus.
+#[derive(Default)]
+pub struct FakeNode {
+    pub id: String,
+    pub max: u32,
+    pub templates: Vec<String>,
+    pub fail_create: bool,
+    pub sandboxes: Mutex<BTreeMap<String, i32>>,
+    pub creates: AtomicU32,
+    pub pauses: AtomicU32,
+    pub kills: AtomicU32,
+}
+
+impl FakeNode {
+    pub fn new(id: &str) -> Arc<FakeNode> {
+        Arc::new(FakeNode {
+            id: id.into(),
+            templates: vec!["base".into()],
+            ..Default::default()
+        })
+    }
+
+    pub fn count(&self) -> usize {
+        self.sandboxes.lock().unwrap().len()
+    }
+
+    pub fn state_of(&self, id: &str) -> Option<i32> {
+        self.sandboxes.lock().unwrap().get(id).copied()
+    }
+}
+
+pub struct Handle(pub Arc<FakeNode>);
+
+type R<T> = Result<Response<T>, Status>;
+
+fn sb(id: &str, state: i32) -> pb::Sandbox {
+    pb::Sandbox {
+        sandbox_id: id.into(),
+        template: "base".into(),
+        build: "b1".into(),
+        state,
+        runtime: "namespace".into(),
+        agent_address: "127.0.0.1:1".into(),
+        ..Default::default()
+    }
+}
+
+#[tonic::async_trait]
+impl Node for Handle {
+    async fn create_sandbox(&self, r: Request<pb::CreateSandboxRequest>) -> R<pb::Sandbox> {
+        self.0.creates.fetch_add(1, Ordering::SeqCst);
+        if self.0.fail_create {
+            return Err(Status::internal("disk clone failed"));
+        }
+        let r = r.into_inner();
+        let st = pb::SandboxState::Running as i32;
+        self.0
+            .sandboxes
+            .lock()
+            .unwrap()
+            .insert(r.sandbox_id.clone(), st);
+        Ok(Response::new(sb(&r.sandbox_id, st)))
+    }
+    async fn kill_sandbox(&self, r: Request<pb::SandboxRef>) -> R<pb::KillSandboxResponse> {
+        self.0.kills.fetch_add(1, Ordering::SeqCst);
+        let existed = self
+            .0
+            .sandboxes
+            .lock()
+            .unwrap()
+            .remove(&r.into_inner().sandbox_id)
+            .is_some();
+        Ok(Response::new(pb::KillSandboxResponse { existed }))
+    }
+    async fn pause_sandbox(&self, r: Request<pb::SandboxRef>) -> R<pb::Sandbox> {
+        self.0.pauses.fetch_add(1, Ordering::SeqCst);
+        let id = r.into_inner().sandbox_id;
+        let mut m = self.0.sandboxes.lock().unwrap();
+        match m.get_mut(&id) {
+            Some(s) => {
+                *s = pb::SandboxState::Paused as i32;
+                Ok(Response::new(sb(&id, *s)))
+            }
+            None => Err(Status::not_found("no such sandbox")),
+        }
+    }
+    async fn resume_sandbox(&self, r: Request<pb::SandboxRef>) -> R<pb::Sandbox> {
+        let id = r.into_inner().sandbox_id;
+        let mut m = self.0.sandboxes.lock().unwrap();
+        match m.get_mut(&id) {
+            Some(s) => {
+                *s = pb::SandboxState::Running as i32;
+                Ok(Response::new(sb(&id, *s)))
+            }
+            None => Err(Status::not_found("no such sandbox")),
+        }
+    }
+    async fn snapshot_sandbox(
+        &self,
+        _r: Request<pb::SnapshotSandboxRequest>,
+    ) -> R<pb::SnapshotSandboxResponse> {
+        Err(Status::unimplemented("fake"))
+    }
+    async fn list_sandboxes(
+        &self,
+        _r: Request<pb::ListSandboxesRequest>,
+    ) -> R<pb::ListSandboxesResponse> {
+        let m = self.0.sandboxes.lock().unwrap();
+        Ok(Response::new(pb::ListSandboxesResponse {
+            sandboxes: m.iter().map(|(id, st)| sb(id, *st)).collect(),
+        }))
+    }
+    async fn get_sandbox(&self, _r: Request<pb::SandboxRef>) -> R<pb::Sandbox> {
+        Err(Status::not_found("fake"))
+    }
+    async fn list_templates(
+        &self,
+        _r: Request<pb::ListTemplatesRequest>,
+    ) -> R<pb::ListTemplatesResponse> {
+        Ok(Response::new(pb::ListTemplatesResponse::default()))
+    }
+    async fn import_template(&self, _r: Request<pb::ImportTemplateRequest>) -> R<pb::Template> {
+        Err(Status::unimplemented("fake"))
+    }
+    async fn delete_template(
+        &self,
+        _r: Request<pb::DeleteTemplateRequest>,
+    ) -> R<pb::DeleteTemplateResponse> {
+        Err(Status::unimplemented("fake"))
+    }
+    async fn node_status(&self, _r: Request<pb::NodeStatusRequest>) -> R<pb::NodeStatusResponse> {
+        Ok(Response::new(pb::NodeStatusResponse {
+            node_id: self.0.id.clone(),
+            runtime: "namespace".into(),
+            templates: self.0.templates.clone(),
+            sandboxes: self.0.count() as u32,
+            capacity: Some(pb::Capacity {
+                max_sandboxes: self.0.max,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }))
+    }
+    type BuildTemplateStream = std::pin::Pin<
+        Box<dyn futures_core::Stream<Item = Result<pb::TemplateBuildEvent, Status>> + Send>,
+    >;
+    async fn build_template(
+        &self,
+        _r: Request<pb::ImportTemplateRequest>,
+    ) -> R<Self::BuildTemplateStream> {
+        Err(Status::unimplemented("fake"))
+    }
+    async fn sandbox_stats(&self, _r: Request<pb::SandboxRef>) -> R<pb::SandboxStatsResponse> {
+        Err(Status::unimplemented("fake"))
+    }
+}
+
+/// Serves a fake node on a free port; returns its URL and a shutdown sender.
+pub async fn serve(n: Arc<FakeNode>) -> (String, tokio::sync::oneshot::Sender<()>) {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let incoming = futures_util::stream::unfold(l, |l| async move {
+        let r = l.accept().await.map(|(s, _)| s);
+        Some((r, l))
+    });
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(NodeServer::new(Handle(n)))
+            .serve_with_incoming_shutdown(incoming, async {
+                let _ = rx.await;
+            }),
+    );
+    (format!("http://{addr}"), tx)
+}

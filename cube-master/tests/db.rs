@@ -1,0 +1,197 @@
+//! The database layer on both backends: guarded state transitions, expiry, API keys, nodes
+//! and join tokens. Each case runs on SQLite and on PostgreSQL (see tests/common).
+
+#[macro_use]
+mod common;
+
+use cube_master::apikey;
+use cube_master::db::{Db, SandboxRow};
+use cube_master::node_store::{NodeRow, TokenRefusal};
+use cube_master::state::SandboxState;
+use cube_master::MasterError;
+
+fn row(id: &str) -> SandboxRow {
+    SandboxRow {
+        id: id.into(),
+        team_id: "t".into(),
+        template: "base".into(),
+        build: String::new(),
+        state: "creating".into(),
+        reason: String::new(),
+        node_id: "n1".into(),
+        agent_address: String::new(),
+        host_interface: String::new(),
+        access_token: format!("tok-{id}"),
+        envd_version: String::new(),
+        metadata: String::new(),
+        vcpus: 1,
+        memory_mib: 1,
+        disk_mib: 0,
+        runtime: String::new(),
+        started_at_ms: 1,
+        end_at_ms: 10,
+        updated_at_ms: 1,
+    }
+}
+
+async fn guarded_transitions_and_expiry(url: String) {
+    let db = Db::open(&url).await.unwrap();
+    db.insert_sandbox(&row("a")).await.unwrap();
+    use SandboxState::*;
+    assert!(db.transition("a", Creating, Running, "ok").await.unwrap());
+    // A second writer that still believes it is creating does not move it.
+    assert!(!db.transition("a", Creating, Failed, "late").await.unwrap());
+    // Illegal steps are refused before touching the database.
+    assert!(db.transition("a", Running, Paused, "skip").await.is_err());
+    let r = db.get_sandbox("a").await.unwrap().unwrap();
+    assert_eq!((r.state.as_str(), r.reason.as_str()), ("running", "ok"));
+    assert_eq!(db.expired(9).await.unwrap(), Vec::<String>::new());
+    assert_eq!(db.expired(10).await.unwrap(), vec!["a".to_string()]);
+    assert_eq!(db.by_access_token("tok-a").await.unwrap().unwrap().id, "a");
+    // Lost sandboxes still expire, and are no longer reachable by token.
+    assert!(db
+        .transition("a", Running, Lost, "node gone")
+        .await
+        .unwrap());
+    assert_eq!(db.expired(10).await.unwrap(), vec!["a".to_string()]);
+    assert!(db.by_access_token("tok-a").await.unwrap().is_none());
+    assert_eq!(db.sandboxes_on_node("n1").await.unwrap().len(), 1);
+    let counts = db.count_by_state().await.unwrap();
+    assert_eq!(counts, vec![(Lost, 1)]);
+    // Duplicate ids are rejected by the primary key.
+    assert!(db.insert_sandbox(&row("a")).await.is_err());
+    // Reopening keeps the data (migrations are not re-applied).
+    drop(db);
+    let db = Db::open(&url).await.unwrap();
+    assert!(db.get_sandbox("a").await.unwrap().is_some());
+}
+both_backends!(transitions, super::guarded_transitions_and_expiry);
+
+async fn list_in_states_orders_and_filters(url: String) {
+    let db = Db::open(&url).await.unwrap();
+    for (i, id) in ["c", "a", "b"].iter().enumerate() {
+        let mut r = row(id);
+        r.started_at_ms = 100 - i as i64;
+        db.insert_sandbox(&r).await.unwrap();
+    }
+    db.transition("a", SandboxState::Creating, SandboxState::Running, "")
+        .await
+        .unwrap();
+    let all = db.list_in_states(&[SandboxState::Creating]).await.unwrap();
+    let ids: Vec<_> = all.iter().map(|r| r.id.as_str()).collect();
+    assert_eq!(ids, ["b", "c"]);
+}
+both_backends!(list_in_states, super::list_in_states_orders_and_filters);
+
+async fn api_keys(url: String) {
+    let db = Db::open(&url).await.unwrap();
+    let (row, secret) = apikey::create(&db, "ci", "").await.unwrap();
+    assert!(apikey::well_formed(&secret));
+    assert_ne!(row.key_sha256, secret);
+    assert_eq!(apikey::validate(&db, &secret).await.unwrap().id, row.id);
+    let wrong = format!("e2b_{}", "0".repeat(40));
+    assert!(matches!(
+        apikey::validate(&db, &wrong).await,
+        Err(MasterError::Unauthenticated(_))
+    ));
+    assert!(db.revoke_api_key(&row.id).await.unwrap());
+    assert!(!db.revoke_api_key(&row.id).await.unwrap());
+    assert!(matches!(
+        apikey::validate(&db, &secret).await,
+        Err(MasterError::Unauthenticated(_))
+    ));
+}
+both_backends!(api_key_lifecycle, super::api_keys);
+
+async fn nodes_and_tokens(url: String) {
+    let db = Db::open(&url).await.unwrap();
+    let mut n = NodeRow {
+        node_id: "n1".into(),
+        address: "http://10.0.0.1:9091".into(),
+        origin: "registered".into(),
+        secret_sha256: "h1".into(),
+        cordoned: 0,
+        version: "0.1.0".into(),
+        runtime: "namespace".into(),
+        kvm_kind: "pvm".into(),
+        vcpus: 4,
+        memory_mib: 8192,
+        max_sandboxes: 10,
+        registered_at_ms: 5,
+        last_seen_ms: 5,
+    };
+    db.upsert_registered_node(&n).await.unwrap();
+    assert!(db.set_cordoned("n1", true).await.unwrap());
+    assert!(!db.set_cordoned("nope", true).await.unwrap());
+    // Re-registration updates the row but keeps the cordon.
+    n.address = "http://10.0.0.2:9091".into();
+    n.secret_sha256 = "h2".into();
+    db.upsert_registered_node(&n).await.unwrap();
+    let r = db.get_node("n1").await.unwrap().unwrap();
+    assert_eq!(
+        (r.address.as_str(), r.secret_sha256.as_str(), r.cordoned),
+        ("http://10.0.0.2:9091", "h2", 1)
+    );
+    db.upsert_static_node("s1", "http://127.0.0.1:9091")
+        .await
+        .unwrap();
+    db.upsert_static_node("s1", "http://127.0.0.1:9092")
+        .await
+        .unwrap();
+    let all = db.list_nodes().await.unwrap();
+    assert_eq!(all.len(), 2);
+    assert_eq!(all[1].address, "http://127.0.0.1:9092");
+    assert_eq!(all[1].origin, "static");
+
+    db.insert_join_token("t1", 100, 1000).await.unwrap();
+    db.insert_join_token("t2", 100, 200).await.unwrap();
+    assert_eq!(
+        db.consume_join_token("t1", "n1", 150).await.unwrap(),
+        Ok(())
+    );
+    assert_eq!(
+        db.consume_join_token("t1", "n2", 160).await.unwrap(),
+        Err(TokenRefusal::Used)
+    );
+    assert_eq!(
+        db.consume_join_token("t2", "n2", 200).await.unwrap(),
+        Err(TokenRefusal::Expired)
+    );
+    assert_eq!(
+        db.consume_join_token("zz", "n2", 100).await.unwrap(),
+        Err(TokenRefusal::Unknown)
+    );
+}
+both_backends!(node_rows_and_join_tokens, super::nodes_and_tokens);
+
+async fn one_token_one_winner(url: String) {
+    let db = Db::open(&url).await.unwrap();
+    db.insert_join_token("t", 0, i64::MAX).await.unwrap();
+    let tries = (0..8).map(|i| {
+        let db = db.clone();
+        async move {
+            db.consume_join_token("t", &format!("n{i}"), 1)
+                .await
+                .unwrap()
+        }
+    });
+    let results = futures_util::future::join_all(tries).await;
+    assert_eq!(
+        results.iter().filter(|r| r.is_ok()).count(),
+        1,
+        "{results:?}"
+    );
+}
+both_backends!(concurrent_token_use, super::one_token_one_winner);
+
+#[tokio::test]
+async fn bad_urls_are_clear_errors() {
+    let e = Db::open("mysql://x").await.err().unwrap().to_string();
+    assert!(e.contains("sqlite: or postgres://"), "{e}");
+    let e = Db::open("postgres://nobody:x@127.0.0.1:1/none")
+        .await
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("database"), "{e}");
+}

@@ -1,0 +1,395 @@
+//! Node lifecycle on both backends: registration with and without join tokens, heartbeats and
+//! their timeout (sandboxes reported lost, then reconciled), cordon, drain. Nodes are in-process
+//! fake cubelets over real gRPC (tests/common); the real cubelet is in cubelet/tests/master.rs.
+
+#[macro_use]
+mod common;
+
+use common::{serve, FakeNode};
+use cube_master::db::Db;
+use cube_master::nodes::Nodes;
+use cube_master::service::{Controller, CreateParams, ListParams};
+use cube_master::state::SandboxState;
+use cube_master::{MasterConfig, MasterError};
+use cube_proto::master::v1 as pb;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+async fn controller(url: &str, statics: &[String], cfg: MasterConfig) -> Controller {
+    let db = Db::open(url).await.unwrap();
+    let nodes = Nodes::new(statics, cfg.node_max_misses).unwrap();
+    let ctl = Controller::new(
+        MasterConfig {
+            nodes: statics.to_vec(),
+            ..cfg
+        },
+        db,
+        nodes,
+    );
+    ctl.load_nodes().await.unwrap();
+    ctl.nodes.poll_once().await;
+    ctl.check_nodes().await;
+    ctl
+}
+
+fn params() -> CreateParams {
+    CreateParams {
+        team_id: "t".into(),
+        template: "base".into(),
+        timeout_s: 600,
+        ..Default::default()
+    }
+}
+
+fn reg(id: &str, address: &str, token: &str, secret: &str) -> pb::RegisterNodeRequest {
+    pb::RegisterNodeRequest {
+        node_id: id.into(),
+        address: address.into(),
+        join_token: token.into(),
+        version: "0.1.0".into(),
+        runtime: "namespace".into(),
+        kvm_kind: "pvm".into(),
+        vcpus: 4,
+        memory_mib: 8192,
+        max_sandboxes: 0,
+        node_secret: secret.into(),
+    }
+}
+
+fn beat(id: &str, secret: &str) -> pb::NodeHeartbeatRequest {
+    pb::NodeHeartbeatRequest {
+        node_id: id.into(),
+        node_secret: secret.into(),
+        sandboxes: 0,
+        templates: vec!["base".into()],
+        disk_free_mib: 1000,
+        memory_mib: 4096,
+    }
+}
+
+async fn registration_and_tokens(url: String) {
+    let cfg = MasterConfig {
+        require_join_token: true,
+        ..Default::default()
+    };
+    let ctl = controller(&url, &[], cfg).await;
+    let addr = "http://127.0.0.1:1";
+    // No token: refused.
+    let e = ctl
+        .register_node(reg("n1", addr, "", ""))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, MasterError::Unauthenticated(_)), "{e}");
+    // A made-up token: refused.
+    let e = ctl
+        .register_node(reg("n1", addr, "cjt_00", ""))
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("unknown token"), "{e}");
+    let (token, exp) = ctl.create_join_token(0).await.unwrap();
+    assert!(exp > cube_master::now_ms() + 3_500_000);
+    let r = ctl
+        .register_node(reg("n1", addr, &token, ""))
+        .await
+        .unwrap();
+    assert_eq!(r.node_id, "n1");
+    assert!(r.node_secret.len() >= 32);
+    assert_eq!(r.heartbeat_interval_ms, 2000);
+    // The token is single use, also for another node.
+    let e = ctl
+        .register_node(reg("n2", addr, &token, ""))
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("already used"), "{e}");
+    // Stored hashed: neither the token nor the secret is in the database.
+    let row = ctl.db.get_node("n1").await.unwrap().unwrap();
+    assert_ne!(row.secret_sha256, r.node_secret);
+    assert_eq!(row.secret_sha256.len(), 64);
+    // A known node re-registers with its secret (restart, new address) and keeps it.
+    let r2 = ctl
+        .register_node(reg("n1", "http://127.0.0.1:2", "", &r.node_secret))
+        .await
+        .unwrap();
+    assert_eq!(r2.node_secret, r.node_secret);
+    assert_eq!(ctl.nodes.find("n1").unwrap().address, "http://127.0.0.1:2");
+    // ... but a wrong secret does not let anyone take the id over.
+    let e = ctl
+        .register_node(reg("n1", addr, "", "not-the-secret"))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, MasterError::Unauthenticated(_)), "{e}");
+    // Heartbeats: right secret accepted, wrong refused, unknown node told to register.
+    let h = ctl
+        .node_heartbeat(beat("n1", &r.node_secret))
+        .await
+        .unwrap();
+    assert!(!h.reregister && !h.cordoned);
+    assert!(matches!(
+        ctl.node_heartbeat(beat("n1", "wrong")).await,
+        Err(MasterError::Unauthenticated(_))
+    ));
+    assert!(
+        ctl.node_heartbeat(beat("ghost", "x"))
+            .await
+            .unwrap()
+            .reregister
+    );
+    // Bad input is refused clearly.
+    for (id, a) in [
+        ("", addr),
+        ("a b", addr),
+        ("ok", "not a url"),
+        ("ok", "ftp://x"),
+    ] {
+        let e = ctl.register_node(reg(id, a, &token, "")).await.unwrap_err();
+        assert!(
+            matches!(e, MasterError::InvalidArgument(_)),
+            "{id:?} {a:?}: {e}"
+        );
+    }
+    assert!(matches!(
+        ctl.create_join_token(365 * 24 * 3600).await,
+        Err(MasterError::InvalidArgument(_))
+    ));
+    let infos = ctl.node_infos();
+    assert_eq!(infos.len(), 1);
+    let i = &infos[0];
+    assert_eq!(
+        (i.node_id.as_str(), i.status.as_str(), i.origin.as_str()),
+        ("n1", "ready", "registered")
+    );
+    assert_eq!((i.vcpus, i.memory_mib, i.disk_free_mib), (4, 8192, 1000));
+    assert_eq!(i.templates, ["base"]);
+    assert!(i.last_seen_ms > 0);
+
+    // A restarted master knows the node (Unknown until it heartbeats) and its secret.
+    let cfg = MasterConfig {
+        require_join_token: true,
+        ..Default::default()
+    };
+    let ctl2 = controller(&url, &[], cfg).await;
+    assert_eq!(ctl2.node_infos()[0].status, "not_ready");
+    let h = ctl2
+        .node_heartbeat(beat("n1", &r.node_secret))
+        .await
+        .unwrap();
+    assert!(!h.reregister);
+    assert_eq!(ctl2.node_infos()[0].status, "ready");
+}
+both_backends!(registration, super::registration_and_tokens);
+
+async fn open_registration(url: String) {
+    let ctl = controller(&url, &[], MasterConfig::default()).await;
+    let r = ctl
+        .register_node(reg("n1", "http://127.0.0.1:1", "", ""))
+        .await
+        .unwrap();
+    assert!(!r.node_secret.is_empty());
+    // A stale token does not matter when tokens are not required.
+    ctl.register_node(reg("n2", "http://127.0.0.1:1", "cjt_stale", ""))
+        .await
+        .unwrap();
+    assert_eq!(ctl.node_infos().len(), 2);
+}
+both_backends!(registration_without_token, super::open_registration);
+
+/// A registered fake node that heartbeats on demand.
+async fn registered(ctl: &Controller, node: &std::sync::Arc<FakeNode>, addr: &str) -> String {
+    let r = ctl
+        .register_node(reg(&node.id, addr, "", ""))
+        .await
+        .unwrap();
+    ctl.node_heartbeat(beat(&node.id, &r.node_secret))
+        .await
+        .unwrap();
+    r.node_secret
+}
+
+async fn heartbeat_timeout(url: String) {
+    let cfg = MasterConfig {
+        heartbeat_interval_ms: 100,
+        node_max_misses: 2,
+        ..Default::default()
+    };
+    let ctl = controller(&url, &[], cfg).await;
+    let node = FakeNode::new("hb");
+    let (addr, _stop) = serve(node.clone()).await;
+    let secret = registered(&ctl, &node, &addr).await;
+    let a = ctl.create(params()).await.unwrap();
+    let b = ctl.create(params()).await.unwrap();
+    ctl.pause("t", &b.id).await.unwrap();
+    assert_eq!((a.node_id.as_str(), node.count()), ("hb", 2));
+    // Silence for longer than 2 intervals: not ready, and its sandboxes are reported lost.
+    tokio::time::sleep(Duration::from_millis(350)).await;
+    ctl.check_nodes().await;
+    assert_eq!(ctl.node_infos()[0].status, "not_ready");
+    for id in [&a.id, &b.id] {
+        let r = ctl.get("t", id).await.unwrap();
+        assert_eq!(r.state, "lost", "{id}");
+        assert!(r.reason.contains("not ready"), "{}", r.reason);
+    }
+    let (lost, _) = ctl
+        .list(ListParams {
+            states: vec![SandboxState::Lost],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(lost.len(), 2);
+    // Nothing new goes there, and a lost sandbox cannot be paused or connected.
+    assert!(matches!(
+        ctl.create(params()).await,
+        Err(MasterError::Unavailable(_))
+    ));
+    assert!(matches!(
+        ctl.pause("t", &a.id).await,
+        Err(MasterError::FailedPrecondition(_))
+    ));
+    // Killing one while the node is away is recorded at once; the node drops it on return.
+    assert!(ctl.kill("t", &b.id, "user").await.unwrap());
+    assert_eq!(node.count(), 2);
+    // The node is back: the other is running again, the killed one is removed there.
+    ctl.node_heartbeat(beat("hb", &secret)).await.unwrap();
+    ctl.check_nodes().await;
+    assert_eq!(ctl.node_infos()[0].status, "ready");
+    let r = ctl.get("t", &a.id).await.unwrap();
+    assert_eq!(
+        (r.state.as_str(), r.reason.as_str()),
+        ("running", "node hb is back")
+    );
+    assert_eq!(node.count(), 1);
+    assert!(node.state_of(&a.id).is_some());
+    assert!(ctl.db.get_sandbox(&b.id).await.unwrap().unwrap().state == "killed");
+    assert_eq!(ctl.metrics.lost.get(), 2);
+    // A node that comes back without its sandbox: failed, with the reason.
+    tokio::time::sleep(Duration::from_millis(350)).await;
+    ctl.check_nodes().await;
+    node.sandboxes.lock().unwrap().clear();
+    ctl.node_heartbeat(beat("hb", &secret)).await.unwrap();
+    ctl.check_nodes().await;
+    let r = ctl.db.get_sandbox(&a.id).await.unwrap().unwrap();
+    assert_eq!(r.state, "failed");
+    assert!(r.reason.contains("no longer has"), "{}", r.reason);
+}
+both_backends!(heartbeat_timeout_marks_lost, super::heartbeat_timeout);
+
+async fn static_node_down_marks_lost(url: String) {
+    let node = FakeNode::new("st");
+    let (addr, stop) = serve(node.clone()).await;
+    let cfg = MasterConfig {
+        node_max_misses: 2,
+        ..Default::default()
+    };
+    let ctl = controller(&url, std::slice::from_ref(&addr), cfg).await;
+    let a = ctl.create(params()).await.unwrap();
+    let _ = stop.send(());
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    ctl.nodes.poll_once().await;
+    ctl.check_nodes().await;
+    assert_eq!(ctl.get("t", &a.id).await.unwrap().state, "running");
+    ctl.nodes.poll_once().await;
+    ctl.check_nodes().await;
+    let r = ctl.get("t", &a.id).await.unwrap();
+    assert_eq!(r.state, "lost");
+    assert!(r.reason.contains("polls failed"), "{}", r.reason);
+    assert_eq!(ctl.node_infos()[0].origin, "static");
+}
+both_backends!(static_node_down, super::static_node_down_marks_lost);
+
+async fn cordon_skips_node(url: String) {
+    // `big` would win on free capacity.
+    let big = std::sync::Arc::new(FakeNode {
+        id: "big".into(),
+        max: 100,
+        templates: vec!["base".into()],
+        ..Default::default()
+    });
+    let small = std::sync::Arc::new(FakeNode {
+        id: "small".into(),
+        max: 10,
+        templates: vec!["base".into()],
+        ..Default::default()
+    });
+    let (a1, _s1) = serve(big.clone()).await;
+    let (a2, _s2) = serve(small.clone()).await;
+    let statics = vec![a1.clone(), a2.clone()];
+    let ctl = controller(&url, &statics, MasterConfig::default()).await;
+    assert_eq!(ctl.create(params()).await.unwrap().node_id, "big");
+    let info = ctl.set_cordon("big", true).await.unwrap();
+    assert!(info.cordoned);
+    for _ in 0..3 {
+        assert_eq!(ctl.create(params()).await.unwrap().node_id, "small");
+    }
+    // By address works too; everything cordoned = nowhere to go.
+    ctl.set_cordon(&a2, true).await.unwrap();
+    assert!(matches!(
+        ctl.create(params()).await,
+        Err(MasterError::Unavailable(_))
+    ));
+    assert!(matches!(
+        ctl.set_cordon("nope", true).await,
+        Err(MasterError::NotFound(_))
+    ));
+    ctl.set_cordon("small", false).await.unwrap();
+    // The cordon survives a master restart.
+    let ctl2 = controller(&url, &statics, MasterConfig::default()).await;
+    let infos = ctl2.node_infos();
+    let by_id = |id: &str| infos.iter().find(|i| i.node_id == id).unwrap().cordoned;
+    assert!(by_id("big"));
+    assert!(!by_id("small"));
+    assert_eq!(ctl2.create(params()).await.unwrap().node_id, "small");
+    assert_eq!(big.creates.load(Ordering::SeqCst), 1);
+}
+both_backends!(cordon, super::cordon_skips_node);
+
+async fn drain(url: String) {
+    let node = FakeNode::new("dr");
+    let other = FakeNode::new("other");
+    let (addr, _s) = serve(node.clone()).await;
+    let (addr2, _s2) = serve(other.clone()).await;
+    let ctl = controller(&url, &[addr], MasterConfig::default()).await;
+    let mut ids = Vec::new();
+    for _ in 0..4 {
+        ids.push(ctl.create(params()).await.unwrap().id);
+    }
+    ctl.pause("t", &ids[0]).await.unwrap();
+    let r = ctl.drain_node("dr", false).await.unwrap();
+    assert!(r.node.unwrap().cordoned);
+    assert_eq!(r.sandboxes.len(), 4);
+    assert!(
+        r.sandboxes.iter().all(|d| d.outcome == "paused"),
+        "{:?}",
+        r.sandboxes
+    );
+    for id in &ids {
+        assert_eq!(ctl.get("t", id).await.unwrap().state, "paused");
+    }
+    // One pause each for the three running ones plus the earlier one.
+    assert_eq!(node.pauses.load(Ordering::SeqCst), 4);
+    // Draining with kill: every sandbox killed and reported.
+    let r = ctl.drain_node("dr", true).await.unwrap();
+    assert_eq!(r.sandboxes.len(), 4);
+    assert!(r.sandboxes.iter().all(|d| d.outcome == "killed"));
+    assert_eq!(node.count(), 0);
+    assert!(matches!(
+        ctl.drain_node("nope", false).await,
+        Err(MasterError::NotFound(_))
+    ));
+    // A drain that cannot reach the node reports every sandbox as an error, drops none.
+    let ctl = controller(&url, &[addr2], MasterConfig::default()).await;
+    let a = ctl.create(params()).await.unwrap();
+    let b = ctl.create(params()).await.unwrap();
+    other.sandboxes.lock().unwrap().clear();
+    let r = ctl.drain_node("other", false).await.unwrap();
+    let mut got: Vec<_> = r
+        .sandboxes
+        .iter()
+        .map(|d| (d.sandbox_id.clone(), d.outcome.clone()))
+        .collect();
+    got.sort();
+    let mut want = vec![(a.id, "error".to_string()), (b.id, "error".to_string())];
+    want.sort();
+    assert_eq!(got, want);
+    assert!(r.sandboxes.iter().all(|d| !d.error.is_empty()));
+}
+both_backends!(drain_pauses_or_kills_all, super::drain);
