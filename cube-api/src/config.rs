@@ -18,6 +18,18 @@ pub struct ApiConfig {
     pub default_timeout_v1_s: u64,
     /// Timeout when `POST /v2/sandboxes` omits it, in seconds (E2B: 300).
     pub default_timeout_v2_s: u64,
+    /// Prometheus `/metrics` listen address; empty = not served.
+    pub metrics_addr: String,
+    /// Largest accepted request body (413 above).
+    pub max_body_bytes: usize,
+    /// How long the edge trusts a master answer about a sandbox, in ms (0 = ask every time).
+    pub edge_cache_ttl_ms: u64,
+    /// Per-API-key token buckets.
+    pub rate_limit: crate::ratelimit::RateLimitConfig,
+    /// `"text"` or `"json"` (one object per line).
+    pub log_format: cube_proto::logging::LogFormat,
+    /// Mutual TLS to cube-master; absent = plaintext.
+    pub tls: Option<cube_proto::tls::TlsConfig>,
 }
 
 impl Default for ApiConfig {
@@ -29,6 +41,12 @@ impl Default for ApiConfig {
             domain: String::new(),
             default_timeout_v1_s: 15,
             default_timeout_v2_s: 300,
+            metrics_addr: "127.0.0.1:9094".into(),
+            max_body_bytes: 1 << 20,
+            edge_cache_ttl_ms: 1000,
+            rate_limit: Default::default(),
+            log_format: Default::default(),
+            tls: None,
         }
     }
 }
@@ -36,11 +54,18 @@ impl Default for ApiConfig {
 impl ApiConfig {
     /// Reads a config file; a missing file means all defaults.
     pub fn load(path: &Path) -> anyhow::Result<ApiConfig> {
-        match std::fs::read_to_string(path) {
-            Ok(s) => Ok(toml::from_str(&s)
-                .map_err(|e| anyhow::anyhow!("parsing {}: {e}", path.display()))?),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(ApiConfig::default()),
-            Err(e) => Err(anyhow::anyhow!("reading {}: {e}", path.display())),
+        let cfg: ApiConfig = match std::fs::read_to_string(path) {
+            Ok(s) => toml::from_str(&s)
+                .map_err(|e| anyhow::anyhow!("parsing {}: {e}", path.display()))?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => ApiConfig::default(),
+            Err(e) => return Err(anyhow::anyhow!("reading {}: {e}", path.display())),
+        };
+        cfg.rate_limit
+            .validate()
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        if cfg.max_body_bytes == 0 {
+            anyhow::bail!("{}: max_body_bytes must be > 0", path.display());
         }
+        Ok(cfg)
     }
 }

@@ -5,6 +5,8 @@
 //! <port>-<id>.<domain>`, then `X-Access-Token` (old SDKs that send no routing headers).
 
 use crate::master::Master;
+use crate::metrics::Metrics;
+use crate::sandbox_cache::{Key, SandboxCache};
 use bytes::Bytes;
 use cube_proto::master::v1 as pb;
 use http_body_util::{combinators::BoxBody, BodyExt, Full};
@@ -12,6 +14,7 @@ use hyper::body::Incoming;
 use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::{TcpListener, TcpSocket};
 
@@ -49,9 +52,23 @@ fn port_closed(id: &str) -> Response<Body> {
 /// Where a request goes, before asking the master.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Route {
-    Sandbox { id: String, port: u16 },
+    Sandbox {
+        id: String,
+        port: u16,
+    },
+    /// Routing headers that cannot name a sandbox port (a client bug: 400, not a 502).
+    BadPort(String),
     AccessToken(String),
     None,
+}
+
+/// Sandbox ids are `[a-z0-9]{1,64}`.
+pub fn valid_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 64
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
 }
 
 /// Parses `<port>-<id>.<domain>` (the left-most label, split on the first `-`).
@@ -77,9 +94,13 @@ pub fn route(headers: &hyper::HeaderMap) -> Route {
             .map(str::to_string)
     };
     if let Some(id) = h("e2b-sandbox-id") {
-        let port = h("e2b-sandbox-port")
-            .and_then(|p| p.parse().ok())
-            .unwrap_or(ENVD_PORT);
+        let port = match h("e2b-sandbox-port") {
+            None => ENVD_PORT,
+            Some(p) => match p.trim().parse::<u16>() {
+                Ok(p) if p != 0 => p,
+                _ => return Route::BadPort(p),
+            },
+        };
         return Route::Sandbox { id, port };
     }
     if let Some((id, port)) = h("host").as_deref().and_then(parse_host) {
@@ -91,15 +112,23 @@ pub fn route(headers: &hyper::HeaderMap) -> Route {
     Route::None
 }
 
+/// What every edge connection shares.
+#[derive(Clone)]
+pub struct Edge {
+    pub master: Master,
+    pub cache: Arc<SandboxCache>,
+    pub metrics: Arc<Metrics>,
+}
+
 /// Serves the edge until the listener fails.
-pub async fn serve(listener: TcpListener, master: Master) -> std::io::Result<()> {
+pub async fn serve(listener: TcpListener, edge: Edge) -> std::io::Result<()> {
     loop {
         let (stream, peer) = listener.accept().await?;
-        let master = master.clone();
+        let edge = edge.clone();
         tokio::spawn(async move {
             let svc = hyper::service::service_fn(move |req| {
-                let master = master.clone();
-                async move { Ok::<_, std::convert::Infallible>(handle(req, master).await) }
+                let edge = edge.clone();
+                async move { Ok::<_, std::convert::Infallible>(handle(req, edge).await) }
             });
             if let Err(e) = hyper::server::conn::http1::Builder::new()
                 .serve_connection(TokioIo::new(stream), svc)
@@ -111,54 +140,127 @@ pub async fn serve(listener: TcpListener, master: Master) -> std::io::Result<()>
     }
 }
 
-async fn handle(req: Request<Incoming>, mut master: Master) -> Response<Body> {
+/// The sandbox for a route: from the cache when fresh, else from the master (then cached).
+async fn lookup(edge: &Edge, key: Key) -> Option<pb::SandboxInfo> {
+    if let Some(info) = edge.cache.get(&key) {
+        edge.metrics
+            .edge_lookups
+            .with_label_values(&["cache"])
+            .inc();
+        return Some(info);
+    }
+    edge.metrics
+        .edge_lookups
+        .with_label_values(&["master"])
+        .inc();
+    let generation = edge.cache.generation();
+    let mut master = edge.master.clone();
+    let r = match &key {
+        Key::Id(id) => {
+            master
+                .get_sandbox(pb::SandboxRef {
+                    team_id: String::new(),
+                    sandbox_id: id.clone(),
+                })
+                .await
+        }
+        Key::Token(t) => {
+            master
+                .resolve_access_token(pb::ResolveAccessTokenRequest {
+                    access_token: t.clone(),
+                })
+                .await
+        }
+    };
+    let info = r.ok()?.into_inner();
+    edge.cache.insert(generation, key, info.clone());
+    Some(info)
+}
+
+async fn handle(req: Request<Incoming>, edge: Edge) -> Response<Body> {
+    let m = edge.metrics.clone();
+    let (result, resp) = handle_inner(req, edge).await;
+    m.edge_requests.with_label_values(&[result]).inc();
+    resp
+}
+
+async fn handle_inner(req: Request<Incoming>, edge: Edge) -> (&'static str, Response<Body>) {
     // /init carries the access token and env; only the node may call it.
     if req.uri().path() == "/init" {
-        return json_response(
-            StatusCode::FORBIDDEN,
-            serde_json::json!({"code": 403, "message": "/init is not reachable through the edge"}),
+        return (
+            "forbidden",
+            json_response(
+                StatusCode::FORBIDDEN,
+                serde_json::json!({"code": 403, "message": "/init is not reachable through the edge"}),
+            ),
         );
     }
     let (info, port) = match route(req.headers()) {
-        Route::Sandbox { id, port } => match master
-            .get_sandbox(pb::SandboxRef {
-                team_id: String::new(),
-                sandbox_id: id.clone(),
-            })
-            .await
-        {
-            Ok(r) => (r.into_inner(), port),
-            Err(_) => return not_found(&id),
+        // An id that cannot exist is not worth a master round trip (nor a log line).
+        Route::Sandbox { id, .. } if !valid_id(&id) => {
+            return (
+                "not_found",
+                not_found(&id.chars().take(64).collect::<String>()),
+            )
+        }
+        Route::Sandbox { id, port } => match lookup(&edge, Key::Id(id.clone())).await {
+            Some(info) => (info, port),
+            None => return ("not_found", not_found(&id)),
         },
-        Route::AccessToken(t) => match master
-            .resolve_access_token(pb::ResolveAccessTokenRequest { access_token: t })
-            .await
-        {
-            Ok(r) => (r.into_inner(), ENVD_PORT),
-            Err(_) => return not_found(""),
+        Route::AccessToken(t) if t.len() > 512 => return ("not_found", not_found("")),
+        Route::AccessToken(t) => match lookup(&edge, Key::Token(t)).await {
+            Some(info) => (info, ENVD_PORT),
+            None => return ("not_found", not_found("")),
         },
-        Route::None => return not_found(""),
+        Route::BadPort(p) => {
+            let shown: String = p.chars().take(16).collect();
+            return (
+                "bad_request",
+                json_response(
+                    StatusCode::BAD_REQUEST,
+                    serde_json::json!({"code": 400, "message": format!("invalid E2b-Sandbox-Port {shown:?}")}),
+                ),
+            );
+        }
+        Route::None => return ("not_found", not_found("")),
     };
     if info.state != "running" {
-        return not_found(&info.sandbox_id);
+        return ("not_found", not_found(&info.sandbox_id));
     }
     let Ok(agent) = info.agent_address.parse::<SocketAddr>() else {
-        return not_found(&info.sandbox_id);
+        return ("not_found", not_found(&info.sandbox_id));
     };
     let target = SocketAddr::new(agent.ip(), port);
-    match proxy(req, target, &info.host_interface).await {
-        Ok(r) => r,
+    match proxy(req, target, &info.host_interface, &edge.metrics).await {
+        Ok(r) => ("proxied", r),
         Err(e) => {
             tracing::debug!(sandbox = %info.sandbox_id, %target, error = %e, "edge proxy failed");
-            port_closed(&info.sandbox_id)
+            // The cached address may be stale (killed by the reaper, not through this API).
+            edge.cache.invalidate(&info.sandbox_id);
+            ("port_closed", port_closed(&info.sandbox_id))
         }
     }
+}
+
+/// Counts body bytes as they stream past, without buffering.
+fn counted<B>(body: B, counter: prometheus::IntCounter) -> Body
+where
+    B: hyper::body::Body<Data = Bytes, Error = hyper::Error> + Send + Sync + 'static,
+{
+    body.map_frame(move |f| {
+        if let Some(d) = f.data_ref() {
+            counter.inc_by(d.len() as u64);
+        }
+        f
+    })
+    .boxed()
 }
 
 async fn proxy(
     req: Request<Incoming>,
     target: SocketAddr,
     iface: &str,
+    metrics: &Metrics,
 ) -> Result<Response<Body>, Box<dyn std::error::Error + Send + Sync>> {
     let sock = if target.is_ipv4() {
         TcpSocket::new_v4()?
@@ -177,8 +279,10 @@ async fn proxy(
             tracing::debug!(error = %e, "edge upstream connection ended");
         }
     });
-    let resp = sender.send_request(req).await?;
-    Ok(resp.map(|b| b.boxed()))
+    let to = metrics.edge_bytes.with_label_values(&["to_sandbox"]);
+    let from = metrics.edge_bytes.with_label_values(&["from_sandbox"]);
+    let resp = sender.send_request(req.map(|b| counted(b, to))).await?;
+    Ok(resp.map(|b| counted(b, from)))
 }
 
 #[cfg(test)]
@@ -217,6 +321,10 @@ mod tests {
                 port: 49999
             }
         );
+        for bad in ["abc", "70000", "-1", "", "0"] {
+            h.insert("e2b-sandbox-port", bad.parse().unwrap());
+            assert_eq!(route(&h), Route::BadPort(bad.into()));
+        }
         let mut t = hyper::HeaderMap::new();
         t.insert("x-access-token", "tok".parse().unwrap());
         assert_eq!(route(&t), Route::AccessToken("tok".into()));

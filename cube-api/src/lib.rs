@@ -4,6 +4,12 @@ pub mod config;
 pub mod edge;
 pub mod error;
 pub mod master;
+pub mod metrics;
+pub mod openapi;
+pub mod ratelimit;
 pub mod rest;
+pub mod sandbox_cache;
+pub mod sandbox_metrics;
+pub mod snapshots;
 
 pub use config::ApiConfig;

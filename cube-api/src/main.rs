@@ -3,7 +3,7 @@
 use anyhow::Context;
 use clap::Parser;
 use cube_api::rest::{router, AppState};
-use cube_api::{edge, master, ApiConfig};
+use cube_api::{edge, master, metrics, ApiConfig};
 use std::path::PathBuf;
 
 #[derive(Parser)]
@@ -16,15 +16,21 @@ struct Cli {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
+    let cli = Cli::parse();
+    let cfg = ApiConfig::load(&cli.config)?;
+    let fmt = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
-        .with_writer(std::io::stderr)
-        .init();
-    let cli = Cli::parse();
-    let cfg = ApiConfig::load(&cli.config)?;
-    let m = master::connect(&cfg.master_url)?;
+        .with_writer(std::io::stderr);
+    match cfg.log_format {
+        cube_proto::logging::LogFormat::Json => fmt.json().init(),
+        cube_proto::logging::LogFormat::Text => fmt.init(),
+    }
+    // The master link over mutual TLS when `[tls]` is set (an http:// master_url is upgraded).
+    let m: master::Master = cube_proto::master::v1::master_client::MasterClient::new(
+        cube_proto::tls::connect_lazy(&cfg.master_url, cfg.tls.as_ref()).context("master_url")?,
+    );
     let api = tokio::net::TcpListener::bind(&cfg.api_addr)
         .await
         .with_context(|| format!("binding {}", cfg.api_addr))?;
@@ -32,14 +38,33 @@ async fn main() -> anyhow::Result<()> {
         .await
         .with_context(|| format!("binding {}", cfg.edge_addr))?;
     tracing::info!(api = %cfg.api_addr, edge = %cfg.edge_addr, master = %cfg.master_url, "cube-api listening");
-    let app = router(AppState {
-        master: m.clone(),
-        cfg: cfg.clone(),
-    });
-    let edge_task = tokio::spawn(edge::serve(edge_l, m));
+    let state = AppState::new(m.clone(), cfg.clone());
+    let metrics_task = if cfg.metrics_addr.is_empty() {
+        tokio::spawn(std::future::pending::<std::io::Result<()>>())
+    } else {
+        let l = tokio::net::TcpListener::bind(&cfg.metrics_addr)
+            .await
+            .with_context(|| format!("binding metrics_addr {}", cfg.metrics_addr))?;
+        tracing::info!(metrics = %cfg.metrics_addr, "metrics listening");
+        tokio::spawn(metrics::serve(l, state.metrics.clone()))
+    };
+    let edge_task = tokio::spawn(edge::serve(
+        edge_l,
+        edge::Edge {
+            master: m,
+            cache: state.cache.clone(),
+            metrics: state.metrics.clone(),
+        },
+    ));
+    let app = router(state);
+    // Every listener is bound: ready for systemd (Type=notify).
+    if let Err(e) = cube_proto::systemd::notify_ready() {
+        tracing::warn!(error = %e, "sd_notify READY failed");
+    }
     tokio::select! {
         r = axum::serve(api, app) => r.context("api server")?,
         r = edge_task => r.context("edge task")?.context("edge server")?,
+        r = metrics_task => r.context("metrics task")?.context("metrics server")?,
         _ = shutdown() => tracing::info!("shutting down"),
     }
     Ok(())

@@ -2,22 +2,52 @@
 
 use crate::error::ApiError;
 use crate::master::Master;
+use crate::metrics::Metrics;
+use crate::ratelimit::{retry_after_secs, Class, RateLimiter};
+use crate::sandbox_cache::SandboxCache;
 use crate::ApiConfig;
 use axum::body::Bytes;
-use axum::extract::{Path, Query, Request, State};
-use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::extract::{DefaultBodyLimit, MatchedPath, Path, Query, Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{delete, get, post};
 use axum::{Extension, Json, Router};
 use cube_proto::master::v1 as pb;
 use serde_json::{json, Map, Value};
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::Instant;
 
 #[derive(Clone)]
 pub struct AppState {
     pub master: Master,
     pub cfg: ApiConfig,
+    /// The edge's sandbox cache: kill/pause/connect here invalidate it.
+    pub cache: Arc<SandboxCache>,
+    pub metrics: Arc<Metrics>,
+    pub limiter: Arc<RateLimiter>,
+}
+
+impl AppState {
+    /// State with a fresh cache, metrics and limiter built from `cfg`.
+    pub fn new(master: Master, cfg: ApiConfig) -> AppState {
+        AppState {
+            master,
+            cache: Arc::new(SandboxCache::new(std::time::Duration::from_millis(
+                cfg.edge_cache_ttl_ms,
+            ))),
+            metrics: Arc::new(Metrics::new()),
+            limiter: Arc::new(RateLimiter::new(cfg.rate_limit.clone())),
+            cfg,
+        }
+    }
+
+    fn invalidate(&self, id: &str) {
+        if self.cache.invalidate(id) > 0 {
+            self.metrics.edge_invalidations.inc();
+        }
+    }
 }
 
 /// The caller's team, set by the auth middleware.
@@ -34,9 +64,19 @@ pub fn router(state: AppState) -> Router {
         .route("/sandboxes/:id/resume", post(resume))
         .route("/sandboxes/:id/connect", post(connect))
         .route("/v2/sandboxes/:id/connect", post(connect))
+        .route("/sandboxes/:id/snapshots", post(crate::snapshots::create))
+        .route("/snapshots", get(crate::snapshots::list))
+        .route("/templates/:id", delete(crate::snapshots::delete_template))
+        .route("/sandboxes/:id/fork", post(crate::snapshots::fork))
+        .route("/sandboxes/:id/metrics", get(crate::sandbox_metrics::one))
+        .route("/sandboxes/metrics", get(crate::sandbox_metrics::many))
         .fallback(not_found)
         .layer(middleware::from_fn_with_state(state.clone(), auth))
         .route("/health", get(|| async { StatusCode::OK }))
+        .route("/openapi.json", get(crate::openapi::serve))
+        .layer(DefaultBodyLimit::max(state.cfg.max_body_bytes))
+        .layer(middleware::from_fn(json_errors))
+        .layer(middleware::from_fn_with_state(state.clone(), track))
         .with_state(state)
 }
 
@@ -44,19 +84,131 @@ async fn not_found() -> ApiError {
     ApiError::new(StatusCode::NOT_FOUND, "Not found")
 }
 
-async fn auth(State(st): State<AppState>, mut req: Request, next: Next) -> Response {
-    let key = req
+/// Turns the framework's own plain-text refusals (405, 413, 415, bad query or path) into the
+/// E2B `{code, message}` shape the SDKs parse, keeping their headers (`Allow`, `Retry-After`).
+async fn json_errors(req: Request, next: Next) -> Response {
+    let resp = next.run(req).await;
+    let st = resp.status();
+    if !(st.is_client_error() || st.is_server_error()) {
+        return resp;
+    }
+    let is_json = resp
         .headers()
-        .get("x-api-key")
+        .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
-        .unwrap_or("")
-        .to_string();
+        .is_some_and(|v| v.starts_with("application/json"));
+    if is_json {
+        return resp;
+    }
+    let (parts, body) = resp.into_parts();
+    let text = axum::body::to_bytes(body, 4096)
+        .await
+        .map(|b| String::from_utf8_lossy(&b).trim().to_string())
+        .unwrap_or_default();
+    let message = if text.is_empty() {
+        st.canonical_reason().unwrap_or("Error").to_string()
+    } else {
+        text
+    };
+    let mut r = ApiError::new(st, message).into_response();
+    for (k, v) in parts.headers.iter() {
+        if k != header::CONTENT_TYPE && k != header::CONTENT_LENGTH {
+            r.headers_mut().insert(k.clone(), v.clone());
+        }
+    }
+    r
+}
+
+/// Request count and latency by route pattern (never the raw path: ids would explode labels).
+async fn track(State(st): State<AppState>, req: Request, next: Next) -> Response {
+    // Static labels only: a client can send any method token.
+    let method = match req.method().as_str() {
+        "GET" => "GET",
+        "POST" => "POST",
+        "PUT" => "PUT",
+        "DELETE" => "DELETE",
+        "PATCH" => "PATCH",
+        "HEAD" => "HEAD",
+        "OPTIONS" => "OPTIONS",
+        _ => "OTHER",
+    };
+    let route = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map(|m| m.as_str().to_string())
+        .unwrap_or_else(|| "unmatched".to_string());
+    let t0 = Instant::now();
+    let resp = next.run(req).await;
+    st.metrics
+        .latency
+        .with_label_values(&[method, &route])
+        .observe(t0.elapsed().as_secs_f64());
+    st.metrics
+        .requests
+        .with_label_values(&[method, &route, resp.status().as_str()])
+        .inc();
+    resp
+}
+
+/// E2B's answer for an id that does not exist (or is not the caller's).
+fn no_sandbox(id: &str) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        format!("Sandbox \"{id}\" doesn't exist or you don't have access to it"),
+    )
+}
+
+/// Sandbox ids are `[a-z0-9]{1,64}`; anything else cannot exist, so it is a 404 without
+/// asking the master (and keeps odd bytes out of logs and SQL).
+pub(crate) fn check_id(id: &str) -> Result<(), ApiError> {
+    if !id.is_empty()
+        && id.len() <= 64
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
+    {
+        Ok(())
+    } else {
+        let shown: String = id.chars().take(64).collect();
+        Err(no_sandbox(&shown))
+    }
+}
+
+async fn auth(State(st): State<AppState>, mut req: Request, next: Next) -> Response {
+    let key = match req.headers().get("x-api-key") {
+        None => "".to_string(),
+        // Keys are `e2b_<hex>`: other bytes or absurd lengths cannot be a key.
+        Some(v) => match v.to_str() {
+            Ok(k) if k.len() <= 256 && k.bytes().all(|b| b.is_ascii_graphic()) => k.to_string(),
+            _ => return ApiError::new(StatusCode::UNAUTHORIZED, "Invalid API key").into_response(),
+        },
+    };
     if key.is_empty() {
         return ApiError::new(StatusCode::UNAUTHORIZED, "Missing API key").into_response();
     }
     let mut m = st.master.clone();
-    match m.validate_api_key(pb::ValidateApiKeyRequest { key }).await {
+    match m
+        .validate_api_key(pb::ValidateApiKeyRequest { key: key.clone() })
+        .await
+    {
         Ok(r) => {
+            let class = Class::of(req.method(), req.uri().path());
+            if let Err(wait) = st.limiter.check(&key, class) {
+                let (label, what) = match class {
+                    Class::Create => ("create", "sandbox creates"),
+                    Class::Other => ("other", "requests"),
+                };
+                st.metrics.rate_limited.with_label_values(&[label]).inc();
+                let secs = retry_after_secs(wait);
+                let mut resp = ApiError::new(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    format!("Rate limit exceeded for {what} with this API key, retry in {secs} s"),
+                )
+                .into_response();
+                resp.headers_mut()
+                    .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+                return resp;
+            }
             req.extensions_mut().insert(Team(r.into_inner().team_id));
             next.run(req).await
         }
@@ -67,7 +219,7 @@ async fn auth(State(st): State<AppState>, mut req: Request, next: Next) -> Respo
     }
 }
 
-fn rfc3339(ms: i64) -> String {
+pub(crate) fn rfc3339(ms: i64) -> String {
     // Civil-from-days (Howard Hinnant's algorithm), to avoid a date crate for one format.
     let secs = ms.div_euclid(1000);
     let milli = ms.rem_euclid(1000);
@@ -99,7 +251,7 @@ fn domain(cfg: &ApiConfig) -> Value {
 }
 
 /// The `Sandbox` object of create/connect responses.
-fn sandbox_json(s: &pb::SandboxInfo, cfg: &ApiConfig) -> Value {
+pub(crate) fn sandbox_json(s: &pb::SandboxInfo, cfg: &ApiConfig) -> Value {
     json!({
         "templateID": s.template,
         "sandboxID": s.sandbox_id,
@@ -152,7 +304,7 @@ fn detail_json(s: &pb::SandboxInfo, cfg: &ApiConfig) -> Value {
 }
 
 /// Parses a JSON object body; an empty body is `{}` when `allow_empty`.
-fn parse_body(body: &Bytes, allow_empty: bool) -> Result<Map<String, Value>, ApiError> {
+pub(crate) fn parse_body(body: &Bytes, allow_empty: bool) -> Result<Map<String, Value>, ApiError> {
     if body.iter().all(|b| b.is_ascii_whitespace()) {
         if allow_empty {
             return Ok(Map::new());
@@ -167,7 +319,7 @@ fn parse_body(body: &Bytes, allow_empty: bool) -> Result<Map<String, Value>, Api
 }
 
 /// `timeout` in seconds: an integer > 0 (the master checks the maximum).
-fn timeout_field(m: &Map<String, Value>, default: Option<u64>) -> Result<u64, ApiError> {
+pub(crate) fn timeout_field(m: &Map<String, Value>, default: Option<u64>) -> Result<u64, ApiError> {
     match m.get("timeout") {
         None | Some(Value::Null) => {
             default.ok_or_else(|| ApiError::bad_request("timeout is required"))
@@ -206,6 +358,10 @@ async fn create(
 ) -> Result<Response, ApiError> {
     let m = parse_body(&body, false)?;
     let template = match m.get("templateID") {
+        // Template names and ids are short; a huge one would only fail deep in gRPC.
+        Some(Value::String(s)) if s.len() > 256 => {
+            return Err(ApiError::bad_request("templateID is too long"))
+        }
         Some(Value::String(s)) if !s.is_empty() => s.clone(),
         Some(Value::String(_)) | None | Some(Value::Null) => {
             return Err(ApiError::bad_request("templateID is required"))
@@ -269,6 +425,7 @@ async fn get_one(
     Extension(team): Extension<Team>,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
+    check_id(&id)?;
     let mut m = st.master.clone();
     let r = m.get_sandbox(sref(&team, &id)).await?.into_inner();
     Ok(Json(detail_json(&r, &st.cfg)).into_response())
@@ -279,13 +436,13 @@ async fn kill(
     Extension(team): Extension<Team>,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
+    check_id(&id)?;
     let mut m = st.master.clone();
-    let r = m.kill_sandbox(sref(&team, &id)).await?.into_inner();
-    if !r.existed {
-        return Err(ApiError::new(
-            StatusCode::NOT_FOUND,
-            format!("Sandbox \"{id}\" doesn't exist or you don't have access to it"),
-        ));
+    let r = m.kill_sandbox(sref(&team, &id)).await;
+    // Whatever the outcome, the edge must ask the master again.
+    st.invalidate(&id);
+    if !r?.into_inner().existed {
+        return Err(no_sandbox(&id));
     }
     Ok(StatusCode::NO_CONTENT.into_response())
 }
@@ -296,6 +453,7 @@ async fn set_timeout(
     Path(id): Path<String>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
+    check_id(&id)?;
     let b = parse_body(&body, false)?;
     let t = timeout_field(&b, None)?;
     let mut m = st.master.clone();
@@ -315,9 +473,12 @@ async fn pause(
     body: Bytes,
 ) -> Result<Response, ApiError> {
     // Old SDKs send no body, new ones `{}` or `{"memory": ...}`: only the shape is checked.
+    check_id(&id)?;
     parse_body(&body, true)?;
     let mut m = st.master.clone();
-    m.pause_sandbox(sref(&team, &id)).await?;
+    let r = m.pause_sandbox(sref(&team, &id)).await;
+    st.invalidate(&id);
+    r?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
@@ -327,9 +488,12 @@ async fn connect_inner(
     id: String,
     body: &Bytes,
 ) -> Result<(pb::ConnectSandboxResponse, u64), ApiError> {
+    check_id(&id)?;
     let b = parse_body(body, true)?;
     let t = timeout_field(&b, Some(st.cfg.default_timeout_v2_s))?;
     let mut m = st.master.clone();
+    // A resume may move the sandbox to a new address: drop what the edge knew.
+    st.invalidate(&id);
     let r = m
         .connect_sandbox(pb::ConnectSandboxRequest {
             team_id: team.0,
@@ -366,6 +530,7 @@ async fn resume(
     Path(id): Path<String>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
+    check_id(&id)?;
     let mut m = st.master.clone();
     let cur = m.get_sandbox(sref(&team, &id)).await?.into_inner();
     if cur.state == "running" {

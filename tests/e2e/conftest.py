@@ -76,7 +76,7 @@ def cube():
     name = f"e2e{os.getpid()}"
     # The switch's node-level state is this test node's own: a host address pool that no other
     # test cubelet uses, its own bpffs pin root and masquerade table (removed at teardown).
-    host_pool = f"10.238.{os.getpid() % 254 + 1}.0/24"
+    host_pool = os.environ.get("CUBE_E2E_HOST_POOL") or f"10.238.{os.getpid() % 254 + 1}.0/24"
     pin_root = f"/tmp/cube-e2e-bpf-{name}"
     nft_table = f"cube_e2e_{name}".replace("-", "_")
     root = f"/var/tmp/cube-e2e-{name}"
@@ -103,7 +103,7 @@ agent_binary = "{stripped}"
 xfs_loop_image = "{root}/xfs.img"
 xfs_loop_size_gib = 4
 [sandbox]
-max_sandboxes = 16
+max_sandboxes = {os.environ.get("CUBE_E2E_MAX_SANDBOXES", "16")}
 tmp_size_mib = 16
 ready_timeout_ms = 15000
 [cgroup]
@@ -133,6 +133,7 @@ nft_table = "{nft_table}"
 
         pl = start([cubelet, "--config", cfg, "run", "--kill-sandboxes-on-exit"], "cubelet.log")
         _wait(lambda: _port_open(g), "cubelet gRPC", procs=[pl])
+        c.cubelet_http = f"http://127.0.0.1:{h}"
 
         mp = _free_port()
         # A second, never-answering node: the master must keep it NotReady and schedule around it.
@@ -146,18 +147,23 @@ nodes = ["http://127.0.0.1:{g}", "http://127.0.0.1:{dead}"]
 node_poll_interval_ms = 500
 reaper_interval_ms = 250
 max_timeout_s = 86400
+metrics_addr = "127.0.0.1:{_free_port()}"
 """)
         pm = start([master, "--config", mcfg, "run"], "master.log")
         _wait(lambda: _port_open(mp), "cube-master gRPC", procs=[pm])
         c.master_url = f"http://127.0.0.1:{mp}"
 
-        ap, ep = _free_port(), _free_port()
+        ap, ep, metp = _free_port(), _free_port(), _free_port()
         acfg = os.path.join(root, "api.toml")
         with open(acfg, "w") as f:
             f.write(f"""api_addr = "127.0.0.1:{ap}"
 edge_addr = "127.0.0.1:{ep}"
 master_url = "{c.master_url}"
+metrics_addr = "127.0.0.1:{metp}"
 """)
+        c.api_metrics_url = f"http://127.0.0.1:{metp}"
+        c.start = start
+        c.api_bin = api
         pa = start([api, "--config", acfg], "api.log")
         _wait(lambda: urllib.request.urlopen(f"http://127.0.0.1:{ap}/health", timeout=1).status == 200,
               "cube-api", procs=[pa])

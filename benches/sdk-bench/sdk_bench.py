@@ -1,0 +1,254 @@
+#!/usr/bin/env python3
+"""SDK-observed control-plane benchmark: the official Python `e2b` SDK against a running Cube.
+
+Measures (targets from issue 6, namespace runtime):
+  create_c1         Sandbox.create() latency at concurrency 1: p50 <= 25 ms, p95 <= 50 ms
+  create_run_c1     Sandbox.create() + commands.run("echo hi"): p50 <= 40 ms
+  creates_per_s_c16 sandboxes created per second by 16 concurrent clients: >= 100/s
+  list_1000         GET /v2/sandboxes (the SDK's first page) with N live sandboxes: p95 <= 20 ms
+  edge_health       GET /health through the edge (envd round trip without the agent's work)
+
+Uses E2B_API_URL, E2B_SANDBOX_URL and E2B_API_KEY (as printed by deploy/dev-up.sh), or starts a
+private stack with --local-stack (the tests/e2e fixture: needs root and CARGO_TARGET_DIR with the
+binaries under debug/ — point it at a dir whose debug/ holds release builds for real numbers).
+Prints a markdown table and writes JSON to --out (default benches/results/sdk-bench-<unix>/).
+"""
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import statistics
+import sys
+import time
+
+import httpx
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+
+
+def pct(xs, p):
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    k = (len(xs) - 1) * p / 100
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def summary(ms):
+    return {"n": len(ms), "p50_ms": pct(ms, 50), "p95_ms": pct(ms, 95), "mean_ms": statistics.fmean(ms),
+            "max_ms": max(ms)}
+
+
+def killer():
+    # Kills are not measured; a pool keeps them off the measured path.
+    return cf.ThreadPoolExecutor(max_workers=4)
+
+
+def bench_create(Sandbox, template, n, run_cmd):
+    ms, kills = [], killer()
+    for _ in range(n):
+        t0 = time.perf_counter()
+        s = Sandbox.create(template, timeout=120)
+        if run_cmd:
+            r = s.commands.run("echo hi")
+            assert r.stdout == "hi\n", r
+        ms.append((time.perf_counter() - t0) * 1000)
+        kills.submit(s.kill)
+    kills.shutdown(wait=True)
+    return summary(ms)
+
+
+def bench_throughput(Sandbox, template, total, conc):
+    def one(_):
+        t0 = time.perf_counter()
+        s = Sandbox.create(template, timeout=120)
+        return s, (time.perf_counter() - t0) * 1000
+    with cf.ThreadPoolExecutor(max_workers=conc) as ex:
+        # Warm the SDK's per-thread clients so the wall time is creates only.
+        t0 = time.perf_counter()
+        res = list(ex.map(one, range(total)))
+        wall = time.perf_counter() - t0
+        list(ex.map(lambda x: x[0].kill(), res))
+    out = summary([r[1] for r in res])
+    out.update({"concurrency": conc, "creates": total, "wall_s": wall, "creates_per_s": total / wall})
+    return out
+
+
+def bench_list(api_url, key, Sandbox, template, n_sandboxes, n_requests, conc):
+    """Fills the account to n_sandboxes (raw REST, concurrently), then times GET /v2/sandboxes."""
+    created = []
+    h = {"X-API-Key": key}
+    with httpx.Client(headers=h, timeout=120) as c:
+        have = len(c.get(api_url + "/v2/sandboxes?limit=100").json())
+
+        def mk(_):
+            r = httpx.post(api_url + "/v2/sandboxes", headers=h, timeout=120,
+                           json={"templateID": template, "timeout": 900, "metadata": {"bench": "list"}})
+            r.raise_for_status()
+            return r.json()["sandboxID"]
+        t0 = time.perf_counter()
+        with cf.ThreadPoolExecutor(max_workers=conc) as ex:
+            created = list(ex.map(mk, range(max(0, n_sandboxes - have))))
+        fill_s = time.perf_counter() - t0
+        try:
+            ms = []
+            for _ in range(n_requests):
+                t = time.perf_counter()
+                r = c.get(api_url + "/v2/sandboxes")
+                ms.append((time.perf_counter() - t) * 1000)
+                assert r.status_code == 200 and len(r.json()) == 100, (r.status_code, len(r.json()))
+            # The same call through the SDK (first page) for reference.
+            sdk = []
+            for _ in range(min(n_requests, 50)):
+                t = time.perf_counter()
+                Sandbox.list().next_items()
+                sdk.append((time.perf_counter() - t) * 1000)
+        finally:
+            with cf.ThreadPoolExecutor(max_workers=conc) as ex:
+                list(ex.map(lambda i: c.delete(api_url + f"/sandboxes/{i}"), created))
+    out = summary(ms)
+    out.update({"sandboxes": n_sandboxes, "fill_s": fill_s, "fill_per_s": len(created) / fill_s if created else None,
+                "sdk_first_page": summary(sdk)})
+    return out
+
+
+def uncached_edge(cube):
+    """A second cube-api on the local stack's master with the edge cache off (for before/after)."""
+    import subprocess
+    import conftest
+    ap, ep, mp = conftest._free_port(), conftest._free_port(), conftest._free_port()
+    cfg = os.path.join(cube.root, "api-nocache.toml")
+    with open(cfg, "w") as f:
+        f.write(f'api_addr = "127.0.0.1:{ap}"\nedge_addr = "127.0.0.1:{ep}"\n'
+                f'master_url = "{cube.master_url}"\nmetrics_addr = "127.0.0.1:{mp}"\nedge_cache_ttl_ms = 0\n')
+    p = cube.start([cube.api_bin, "--config", cfg], "api-nocache.log")
+    conftest._wait(lambda: conftest._port_open(ep), "uncached cube-api", procs=[p])
+    return f"http://127.0.0.1:{ep}"
+
+
+def bench_edge(Sandbox, template, sandbox_url, n, uncached_url=None):
+    s = Sandbox.create(template, timeout=120)
+    try:
+        if uncached_url:
+            with httpx.Client(timeout=30) as c:
+                nc = []
+                for _ in range(n):
+                    t = time.perf_counter()
+                    r = c.get(uncached_url + "/health", headers={"E2b-Sandbox-Id": s.sandbox_id})
+                    nc.append((time.perf_counter() - t) * 1000)
+                    assert r.status_code == 204, r.status_code
+        with httpx.Client(timeout=30) as c:
+            ms = []
+            for _ in range(n):
+                t = time.perf_counter()
+                r = c.get(sandbox_url + "/health", headers={"E2b-Sandbox-Id": s.sandbox_id})
+                ms.append((time.perf_counter() - t) * 1000)
+                assert r.status_code == 204, r.status_code
+            run = []
+            for _ in range(min(n, 100)):
+                t = time.perf_counter()
+                s.commands.run("true")
+                run.append((time.perf_counter() - t) * 1000)
+    finally:
+        s.kill()
+    out = summary(ms)
+    out["commands_run_true"] = summary(run)
+    if uncached_url:
+        out["uncached"] = summary(nc)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--template", default=os.environ.get("CUBE_BENCH_TEMPLATE", "base"))
+    ap.add_argument("--creates", type=int, default=60, help="samples at concurrency 1")
+    ap.add_argument("--throughput-creates", type=int, default=160)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--list-sandboxes", type=int, default=1000, help="0 skips the list benchmark")
+    ap.add_argument("--list-requests", type=int, default=200)
+    ap.add_argument("--edge-requests", type=int, default=500)
+    ap.add_argument("--only", default="", help="comma list of: create,create_run,throughput,list,edge")
+    ap.add_argument("--local-stack", action="store_true", help="start a private stack (tests/e2e fixture)")
+    ap.add_argument("--edge-compare", action="store_true",
+                    help="with --local-stack: also time the edge with its sandbox cache off")
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+
+    stack = None
+    if a.local_stack:
+        sys.path.insert(0, os.path.join(REPO, "tests", "e2e"))
+        os.environ.setdefault("CUBE_E2E_MAX_SANDBOXES", str(max(a.list_sandboxes, a.throughput_creates) + 16))
+        import conftest  # noqa: E402
+        stack = conftest.cube.__wrapped__()
+        cube = next(stack)
+        a.template = conftest.TEMPLATE
+    for v in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY"):
+        if not os.environ.get(v):
+            sys.exit(f"{v} is not set (run deploy/dev-up.sh and export what it prints, or --local-stack)")
+    from e2b import Sandbox  # after the env is set: the SDK reads it per call
+    import e2b
+
+    only = set(filter(None, a.only.split(",")))
+    want = lambda k: not only or k in only  # noqa: E731
+    api_url, key = os.environ["E2B_API_URL"], os.environ["E2B_API_KEY"]
+    res = {"sdk": f"e2b {e2b.__version__}" if hasattr(e2b, "__version__") else "e2b", "template": a.template,
+           "api_url": api_url, "unix_time": int(time.time()), "results": {}}
+    R = res["results"]
+    try:
+        Sandbox.create(a.template, timeout=30).kill()  # warm-up: connections, template cache
+        if want("create"):
+            R["create_c1"] = bench_create(Sandbox, a.template, a.creates, False)
+        if want("create_run"):
+            R["create_run_c1"] = bench_create(Sandbox, a.template, a.creates, True)
+        if want("throughput"):
+            R["creates_c16"] = bench_throughput(Sandbox, a.template, a.throughput_creates, a.concurrency)
+        if want("list") and a.list_sandboxes > 0:
+            R["list_1000"] = bench_list(api_url, key, Sandbox, a.template, a.list_sandboxes, a.list_requests,
+                                        a.concurrency)
+        if want("edge"):
+            unc = uncached_edge(cube) if (a.edge_compare and stack is not None) else None
+            R["edge_health"] = bench_edge(Sandbox, a.template, os.environ["E2B_SANDBOX_URL"], a.edge_requests, unc)
+    finally:
+        if stack is not None:
+            stack.close()
+
+    rows = []
+    if "create_c1" in R:
+        c = R["create_c1"]
+        rows += [("Sandbox.create() p50, c=1", c["p50_ms"], "ms", "<= 25"),
+                 ("Sandbox.create() p95, c=1", c["p95_ms"], "ms", "<= 50")]
+    if "create_run_c1" in R:
+        rows.append(('create + commands.run("echo hi") p50', R["create_run_c1"]["p50_ms"], "ms", "<= 40"))
+    if "creates_c16" in R:
+        c = R["creates_c16"]
+        rows += [("creates/s at concurrency 16", c["creates_per_s"], "/s", ">= 100"),
+                 ("create p95 at concurrency 16", c["p95_ms"], "ms", "")]
+    if "list_1000" in R:
+        c = R["list_1000"]
+        rows += [(f"GET /v2/sandboxes p95 ({c['sandboxes']} sandboxes)", c["p95_ms"], "ms", "<= 20"),
+                 ("GET /v2/sandboxes p50", c["p50_ms"], "ms", ""),
+                 ("SDK Sandbox.list() first page p95", c["sdk_first_page"]["p95_ms"], "ms", "")]
+    if "edge_health" in R:
+        c = R["edge_health"]
+        rows += [("edge GET /health p50", c["p50_ms"], "ms", ""),
+                 ("edge GET /health p95", c["p95_ms"], "ms", ""),
+                 ('commands.run("true") p50', c["commands_run_true"]["p50_ms"], "ms", "")]
+        if "uncached" in c:
+            rows += [("edge GET /health p50, cache off", c["uncached"]["p50_ms"], "ms", ""),
+                     ("edge GET /health p95, cache off", c["uncached"]["p95_ms"], "ms", "")]
+    print(f"\n{res['sdk']} against {api_url}, template {a.template}\n")
+    print("| metric | value | target |\n|---|---:|---|")
+    for name, v, unit, target in rows:
+        print(f"| {name} | {v:.1f} {unit} | {target} |")
+    out = a.out or os.path.join(REPO, "benches", "results", f"sdk-bench-{res['unix_time']}")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "sdk-bench.json"), "w") as f:
+        json.dump(res, f, indent=2)
+    print(f"\nJSON: {os.path.join(out, 'sdk-bench.json')}")
+
+
+if __name__ == "__main__":
+    main()

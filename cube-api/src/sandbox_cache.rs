@@ -1,0 +1,195 @@
+//! The edge's short-lived cache of master `GetSandbox` / `ResolveAccessToken` answers, so that
+//! envd traffic (every SDK command and file call) does not cost a master round trip.
+//!
+//! Staleness is bounded two ways: entries live `ttl` (about a second), and the REST API drops a
+//! sandbox's entries when it kills, pauses or connects it through this process. A generation
+//! counter keeps a lookup that was in flight during an invalidation from re-inserting the old
+//! answer.
+
+use cube_proto::master::v1::SandboxInfo;
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// Above this many entries, expired ones are swept; if still above, everything is dropped
+/// (a cache miss only costs a master call).
+const MAX_ENTRIES: usize = 50_000;
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Key {
+    Id(String),
+    Token(String),
+}
+
+struct Inner {
+    generation: u64,
+    entries: HashMap<Key, (Instant, SandboxInfo)>,
+}
+
+pub struct SandboxCache {
+    ttl: Duration,
+    inner: Mutex<Inner>,
+}
+
+impl SandboxCache {
+    /// A zero `ttl` disables the cache.
+    pub fn new(ttl: Duration) -> SandboxCache {
+        SandboxCache {
+            ttl,
+            inner: Mutex::new(Inner {
+                generation: 0,
+                entries: HashMap::new(),
+            }),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        // A poisoned lock only means a panic elsewhere mid-insert; the map is still valid.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn enabled(&self) -> bool {
+        !self.ttl.is_zero()
+    }
+
+    /// A fresh entry, if any.
+    pub fn get(&self, key: &Key) -> Option<SandboxInfo> {
+        self.get_at(key, Instant::now())
+    }
+
+    pub fn get_at(&self, key: &Key, now: Instant) -> Option<SandboxInfo> {
+        if !self.enabled() {
+            return None;
+        }
+        let g = self.lock();
+        match g.entries.get(key) {
+            Some((at, info)) if now.saturating_duration_since(*at) < self.ttl => Some(info.clone()),
+            _ => None,
+        }
+    }
+
+    /// The generation to pass to `insert` for a lookup starting now.
+    pub fn generation(&self) -> u64 {
+        self.lock().generation
+    }
+
+    /// Stores a master answer obtained by a lookup that began at `generation`; ignored when an
+    /// invalidation happened since, or when the sandbox is not running (those answers are
+    /// refusals that must not outlive a resume).
+    pub fn insert(&self, generation: u64, key: Key, info: SandboxInfo) {
+        self.insert_at(generation, key, info, Instant::now())
+    }
+
+    pub fn insert_at(&self, generation: u64, key: Key, info: SandboxInfo, now: Instant) {
+        if !self.enabled() || info.state != "running" {
+            return;
+        }
+        let ttl = self.ttl;
+        let mut g = self.lock();
+        if g.generation != generation {
+            return;
+        }
+        if g.entries.len() >= MAX_ENTRIES {
+            g.entries
+                .retain(|_, (at, _)| now.saturating_duration_since(*at) < ttl);
+            if g.entries.len() >= MAX_ENTRIES {
+                g.entries.clear();
+            }
+        }
+        g.entries.insert(key, (now, info));
+    }
+
+    /// Drops every entry of sandbox `id` (by id and by its access token). Returns how many.
+    pub fn invalidate(&self, id: &str) -> usize {
+        let mut g = self.lock();
+        g.generation = g.generation.wrapping_add(1);
+        let before = g.entries.len();
+        g.entries.retain(|_, (_, info)| info.sandbox_id != id);
+        before - g.entries.len()
+    }
+
+    pub fn len(&self) -> usize {
+        self.lock().entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(id: &str, state: &str) -> SandboxInfo {
+        SandboxInfo {
+            sandbox_id: id.into(),
+            state: state.into(),
+            access_token: format!("tok-{id}"),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn ttl_expiry() {
+        let c = SandboxCache::new(Duration::from_millis(1000));
+        let t0 = Instant::now();
+        let g = c.generation();
+        c.insert_at(g, Key::Id("ia".into()), info("ia", "running"), t0);
+        assert!(c
+            .get_at(&Key::Id("ia".into()), t0 + Duration::from_millis(999))
+            .is_some());
+        assert!(c
+            .get_at(&Key::Id("ia".into()), t0 + Duration::from_millis(1000))
+            .is_none());
+        assert!(c.get_at(&Key::Id("ib".into()), t0).is_none());
+    }
+
+    #[test]
+    fn invalidate_drops_id_and_token_and_blocks_inflight() {
+        let c = SandboxCache::new(Duration::from_secs(5));
+        let g = c.generation();
+        c.insert(g, Key::Id("ia".into()), info("ia", "running"));
+        c.insert(g, Key::Token("tok-ia".into()), info("ia", "running"));
+        c.insert(g, Key::Id("ib".into()), info("ib", "running"));
+        assert_eq!(c.invalidate("ia"), 2);
+        assert!(c.get(&Key::Id("ia".into())).is_none());
+        assert!(c.get(&Key::Token("tok-ia".into())).is_none());
+        assert!(c.get(&Key::Id("ib".into())).is_some());
+        // A lookup that started before the kill must not put the old answer back.
+        c.insert(g, Key::Id("ia".into()), info("ia", "running"));
+        assert!(c.get(&Key::Id("ia".into())).is_none());
+        let g2 = c.generation();
+        c.insert(g2, Key::Id("ia".into()), info("ia", "running"));
+        assert!(c.get(&Key::Id("ia".into())).is_some());
+    }
+
+    #[test]
+    fn only_running_and_disabled() {
+        let c = SandboxCache::new(Duration::from_secs(5));
+        c.insert(c.generation(), Key::Id("ip".into()), info("ip", "paused"));
+        assert!(c.is_empty());
+        let off = SandboxCache::new(Duration::ZERO);
+        off.insert(
+            off.generation(),
+            Key::Id("ia".into()),
+            info("ia", "running"),
+        );
+        assert!(off.get(&Key::Id("ia".into())).is_none() && off.is_empty());
+    }
+
+    #[test]
+    fn bounded() {
+        let c = SandboxCache::new(Duration::from_secs(5));
+        let t = Instant::now();
+        for i in 0..MAX_ENTRIES + 10 {
+            c.insert_at(
+                0,
+                Key::Id(format!("i{i}")),
+                info(&format!("i{i}"), "running"),
+                t,
+            );
+        }
+        assert!(c.len() <= MAX_ENTRIES);
+    }
+}

@@ -1,0 +1,220 @@
+//! Snapshots and fork (E2B §2.3): `POST /sandboxes/{id}/snapshots`, `GET /snapshots`,
+//! `DELETE /templates/{id}` (how the SDK deletes a snapshot) and `POST /sandboxes/{id}/fork`.
+
+use crate::error::ApiError;
+use crate::rest::{check_id, parse_body, sandbox_json, timeout_field, AppState, Team};
+use axum::body::Bytes;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use cube_proto::master::v1 as pb;
+use serde_json::{json, Value};
+use std::collections::HashMap;
+
+/// Most sandboxes one fork may create (E2B's limit).
+const MAX_FORK: u64 = 20;
+
+fn snapshot_json(s: &pb::SnapshotInfo) -> Value {
+    json!({"snapshotID": s.snapshot_id, "names": s.names})
+}
+
+/// `POST /sandboxes/{id}/snapshots` `{"name"?: str, "memory"?: bool}` → 201 `SnapshotInfo`.
+pub async fn create(
+    State(st): State<AppState>,
+    Extension(team): Extension<Team>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    check_id(&id)?;
+    let b = parse_body(&body, true)?;
+    let name = match b.get("name") {
+        None | Some(Value::Null) => String::new(),
+        Some(Value::String(s)) => s.clone(),
+        Some(_) => return Err(ApiError::bad_request("name must be a string")),
+    };
+    // `memory` is accepted either way: what was captured is the node's runtime's to say
+    // (filesystem only on the namespace runtime).
+    match b.get("memory") {
+        None | Some(Value::Null) | Some(Value::Bool(_)) => {}
+        Some(_) => return Err(ApiError::bad_request("memory must be a boolean")),
+    }
+    let mut m = st.master.clone();
+    let s = m
+        .snapshot_sandbox(pb::SnapshotSandboxRequest {
+            team_id: team.0,
+            sandbox_id: id,
+            name,
+        })
+        .await?
+        .into_inner();
+    Ok((StatusCode::CREATED, Json(snapshot_json(&s))).into_response())
+}
+
+/// `GET /snapshots?sandboxID=&name=&limit=&nextToken=` → 200 `[SnapshotInfo]` + `X-Next-Token`.
+pub async fn list(
+    State(st): State<AppState>,
+    Extension(team): Extension<Team>,
+    Query(q): Query<HashMap<String, String>>,
+) -> Result<Response, ApiError> {
+    let limit = match q.get("limit") {
+        None => 0,
+        Some(l) => match l.parse::<u32>() {
+            Ok(n) if (1..=100).contains(&n) => n,
+            _ => return Err(ApiError::bad_request("limit must be between 1 and 100")),
+        },
+    };
+    let mut m = st.master.clone();
+    let r = m
+        .list_snapshots(pb::ListSnapshotsRequest {
+            team_id: team.0,
+            sandbox_id: q.get("sandboxID").cloned().unwrap_or_default(),
+            name: q.get("name").cloned().unwrap_or_default(),
+            limit,
+            next_token: q.get("nextToken").cloned().unwrap_or_default(),
+        })
+        .await?
+        .into_inner();
+    let mut headers = HeaderMap::new();
+    if !r.next_token.is_empty() {
+        if let Ok(v) = HeaderValue::from_str(&r.next_token) {
+            headers.insert("x-next-token", v);
+        }
+    }
+    let items: Vec<Value> = r.snapshots.iter().map(snapshot_json).collect();
+    Ok((StatusCode::OK, headers, Json(Value::Array(items))).into_response())
+}
+
+/// `DELETE /templates/{id}`: deletes one of the team's snapshots (204). Templates proper are
+/// the operator's (`cubectl template rm`): 403 for those, 404 for anything else.
+pub async fn delete_template(
+    State(st): State<AppState>,
+    Extension(team): Extension<Team>,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    let plausible = !id.is_empty()
+        && id.len() <= 64
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_');
+    let not_found = || {
+        let shown: String = id.chars().take(64).collect();
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!("Template \"{shown}\" doesn't exist or you don't have access to it"),
+        )
+    };
+    if !plausible {
+        return Err(not_found());
+    }
+    let mut m = st.master.clone();
+    let r = m
+        .delete_snapshot(pb::DeleteSnapshotRequest {
+            team_id: team.0,
+            snapshot_id: id.clone(),
+        })
+        .await?
+        .into_inner();
+    if r.existed {
+        return Ok(StatusCode::NO_CONTENT.into_response());
+    }
+    match m.get_template(pb::TemplateRef { name: id.clone() }).await {
+        Ok(_) => Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            format!("Template \"{id}\" is managed by the operator (cubectl template rm)"),
+        )),
+        Err(_) => Err(not_found()),
+    }
+}
+
+/// HTTP status for a fork result's gRPC code name.
+fn fork_error_status(code: &str) -> StatusCode {
+    match code {
+        "INVALID_ARGUMENT" | "OUT_OF_RANGE" => StatusCode::BAD_REQUEST,
+        "NOT_FOUND" => StatusCode::NOT_FOUND,
+        "FAILED_PRECONDITION" | "ALREADY_EXISTS" | "ABORTED" => StatusCode::CONFLICT,
+        "RESOURCE_EXHAUSTED" => StatusCode::TOO_MANY_REQUESTS,
+        "UNAVAILABLE" => StatusCode::SERVICE_UNAVAILABLE,
+        "DEADLINE_EXCEEDED" => StatusCode::GATEWAY_TIMEOUT,
+        _ => StatusCode::INTERNAL_SERVER_ERROR,
+    }
+}
+
+/// `POST /sandboxes/{id}/fork` `{"timeout"?: int, "count"?: 1..20}` → 201
+/// `[{"sandbox": Sandbox} | {"error": {code, message}}]`, one entry per requested fork.
+pub async fn fork(
+    State(st): State<AppState>,
+    Extension(team): Extension<Team>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    check_id(&id)?;
+    let b = parse_body(&body, true)?;
+    let timeout_s = timeout_field(&b, Some(st.cfg.default_timeout_v2_s))?;
+    let count = match b.get("count") {
+        None | Some(Value::Null) => 1,
+        Some(Value::Number(n)) => match n.as_u64() {
+            Some(c) if (1..=MAX_FORK).contains(&c) => c as u32,
+            _ => {
+                return Err(ApiError::bad_request(format!(
+                    "count must be an integer between 1 and {MAX_FORK}"
+                )))
+            }
+        },
+        Some(_) => {
+            return Err(ApiError::bad_request(format!(
+                "count must be an integer between 1 and {MAX_FORK}"
+            )))
+        }
+    };
+    let mut m = st.master.clone();
+    let r = m
+        .fork_sandbox(pb::ForkSandboxRequest {
+            team_id: team.0,
+            sandbox_id: id,
+            count,
+            timeout_s,
+        })
+        .await?
+        .into_inner();
+    let items: Vec<Value> = r
+        .results
+        .iter()
+        .map(|x| match &x.sandbox {
+            Some(s) => json!({"sandbox": sandbox_json(s, &st.cfg)}),
+            None => {
+                let code = fork_error_status(&x.error_code);
+                json!({"error": {"code": code.as_u16(), "message": x.error}})
+            }
+        })
+        .collect();
+    Ok((StatusCode::CREATED, Json(Value::Array(items))).into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fork_error_codes() {
+        assert_eq!(
+            fork_error_status("RESOURCE_EXHAUSTED"),
+            StatusCode::TOO_MANY_REQUESTS
+        );
+        assert_eq!(fork_error_status("NOT_FOUND"), StatusCode::NOT_FOUND);
+        assert_eq!(
+            fork_error_status("whatever"),
+            StatusCode::INTERNAL_SERVER_ERROR
+        );
+    }
+
+    #[test]
+    fn snapshot_shape() {
+        let v = snapshot_json(&pb::SnapshotInfo {
+            snapshot_id: "sabc".into(),
+            names: vec!["sabc".into(), "mine".into()],
+            ..Default::default()
+        });
+        assert_eq!(v, json!({"snapshotID": "sabc", "names": ["sabc", "mine"]}));
+    }
+}

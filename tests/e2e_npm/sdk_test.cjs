@@ -1,0 +1,150 @@
+// The official npm `e2b` SDK, unchanged, against Cube. Run by test_npm_sdk.py with
+// E2B_API_URL / E2B_SANDBOX_URL / E2B_API_KEY set, CUBE_E2B_JS = the installed package dir and
+// CUBE_TEMPLATE = the template. Prints one JSON line per case:
+// {"case": name, "status": "pass"|"fail"|"skip", "detail": "..."}; a feature the SDK version lacks
+// is a skip with the reason.
+'use strict'
+
+const e2b = require(process.env.CUBE_E2B_JS)
+const { Sandbox } = e2b
+const TEMPLATE = process.env.CUBE_TEMPLATE
+const VERSION = require(process.env.CUBE_E2B_JS + '/package.json').version
+
+class Skip extends Error {}
+
+function assert(cond, msg) {
+  if (!cond) throw new Error('assertion failed: ' + msg)
+}
+
+async function rejects(p, cls, what) {
+  try {
+    await p
+  } catch (e) {
+    if (cls && !(e instanceof cls)) {
+      throw new Error(`${what}: expected ${cls.name}, got ${e && e.constructor && e.constructor.name}: ${e}`)
+    }
+    return e
+  }
+  throw new Error(`${what}: did not throw`)
+}
+
+async function listAll(query, limit) {
+  const p = Sandbox.list({ query, limit })
+  if (typeof p.nextItems !== 'function') throw new Skip(`Sandbox.list has no paginator in ${VERSION}`)
+  const out = []
+  let pages = 0
+  while (p.hasNext) {
+    out.push(...(await p.nextItems()))
+    pages += 1
+    if (pages > 50) throw new Error('paginator does not end')
+  }
+  return { items: out, pages }
+}
+
+const tag = Math.random().toString(36).slice(2, 10)
+let sbx = null
+
+const cases = [
+  ['create_metadata_envs', async () => {
+    sbx = await Sandbox.create(TEMPLATE, {
+      timeoutMs: 120_000, metadata: { suite: 'npm', tag }, envs: { CUBE_NPM: 'yes' },
+    })
+    assert(/^[a-z0-9]+$/.test(sbx.sandboxId), 'sandbox id shape ' + sbx.sandboxId)
+  }],
+  ['commands', async () => {
+    const r = await sbx.commands.run('echo hi')
+    assert(r.exitCode === 0 && r.stdout === 'hi\n', JSON.stringify(r))
+    const e = await sbx.commands.run('echo $CUBE_NPM')
+    assert(e.stdout.trim() === 'yes', 'env var: ' + JSON.stringify(e.stdout))
+  }],
+  ['files', async () => {
+    await sbx.files.write('/tmp/npm.txt', 'hello from npm')
+    const s = await sbx.files.read('/tmp/npm.txt')
+    assert(s === 'hello from npm', 'read back ' + JSON.stringify(s))
+  }],
+  ['get_info', async () => {
+    const info = typeof sbx.getInfo === 'function' ? await sbx.getInfo() : await Sandbox.getInfo(sbx.sandboxId)
+    assert(info.sandboxId === sbx.sandboxId, 'id')
+    assert(info.templateId === TEMPLATE, 'template ' + info.templateId)
+    assert(info.metadata.tag === tag && info.metadata.suite === 'npm', 'metadata ' + JSON.stringify(info.metadata))
+    const secs = (new Date(info.endAt) - new Date(info.startedAt)) / 1000
+    assert(secs > 100 && secs <= 121, 'timeout window ' + secs)
+  }],
+  ['list_filters_paging', async () => {
+    const extra = await Sandbox.create(TEMPLATE, { timeoutMs: 60_000, metadata: { suite: 'npm', tag } })
+    try {
+      const { items, pages } = await listAll({ metadata: { tag } }, 1)
+      const ids = items.map((s) => s.sandboxId).sort()
+      assert(JSON.stringify(ids) === JSON.stringify([sbx.sandboxId, extra.sandboxId].sort()), 'listed ' + ids)
+      assert(pages === 2, 'pages ' + pages)
+      const none = await listAll({ metadata: { tag: 'nope' + tag } })
+      assert(none.items.length === 0, 'no match')
+      const paused = await listAll({ metadata: { tag }, state: ['paused'] })
+      assert(paused.items.length === 0, 'paused filter ' + paused.items.length)
+      const running = await listAll({ metadata: { tag }, state: ['running'] })
+      assert(running.items.length === 2, 'running filter ' + running.items.length)
+    } finally {
+      await extra.kill()
+    }
+  }],
+  ['set_timeout', async () => {
+    const before = await Sandbox.getInfo(sbx.sandboxId)
+    await sbx.setTimeout(600_000)
+    const after = await Sandbox.getInfo(sbx.sandboxId)
+    assert((new Date(after.endAt) - new Date(before.endAt)) / 1000 > 400, 'endAt moved')
+  }],
+  ['pause_connect', async () => {
+    const pause = typeof sbx.pause === 'function' ? () => sbx.pause()
+      : typeof sbx.betaPause === 'function' ? () => sbx.betaPause() : null
+    if (!pause) throw new Skip(`no pause in ${VERSION}`)
+    await pause()
+    const info = await Sandbox.getInfo(sbx.sandboxId)
+    assert(info.state === 'paused', 'state after pause ' + info.state)
+    const back = await Sandbox.connect(sbx.sandboxId, { timeoutMs: 60_000 })
+    const r = await back.commands.run('cat /tmp/npm.txt')
+    assert(r.stdout === 'hello from npm', 'file survives pause ' + JSON.stringify(r.stdout))
+    sbx = back
+  }],
+  ['kill', async () => {
+    assert((await sbx.kill()) !== false, 'kill')
+    assert((await Sandbox.kill(sbx.sandboxId)) === false, 'second kill is false')
+    assert(!(await sbx.isRunning()), 'not running after kill')
+  }],
+  ['not_found_404', async () => {
+    await rejects(Sandbox.getInfo('inotthere00000000000'), e2b.NotFoundError, 'getInfo unknown')
+    assert((await Sandbox.kill('inotthere00000000000')) === false, 'kill unknown')
+    await rejects(Sandbox.setTimeout('inotthere00000000000', 30_000), e2b.NotFoundError, 'setTimeout unknown')
+  }],
+  ['wrong_key_401', async () => {
+    const apiKey = 'e2b_' + '0'.repeat(40)
+    await rejects(Sandbox.create(TEMPLATE, { apiKey }), e2b.AuthenticationError, 'create')
+    await rejects(Sandbox.list({ apiKey }).nextItems(), e2b.AuthenticationError, 'list')
+  }],
+]
+
+async function main() {
+  let failed = false
+  for (const [name, fn] of cases) {
+    const needsSandbox = !['create_metadata_envs', 'not_found_404', 'wrong_key_401'].includes(name)
+    if (needsSandbox && !sbx) {
+      console.log(JSON.stringify({ case: name, status: 'fail', detail: 'no sandbox (create failed)' }))
+      failed = true
+      continue
+    }
+    try {
+      await fn()
+      console.log(JSON.stringify({ case: name, status: 'pass', detail: '' }))
+    } catch (e) {
+      const skip = e instanceof Skip
+      failed = failed || !skip
+      console.log(JSON.stringify({ case: name, status: skip ? 'skip' : 'fail', detail: String(e && e.stack || e) }))
+    }
+  }
+  if (sbx) await sbx.kill().catch(() => {})
+  process.exit(failed ? 1 : 0)
+}
+
+main().catch((e) => {
+  console.log(JSON.stringify({ case: 'main', status: 'fail', detail: String(e && e.stack || e) }))
+  process.exit(1)
+})
