@@ -12,10 +12,14 @@
 //!    Anything else kills the process (`SECCOMP_RET_KILL_PROCESS`, logged by the audit
 //!    subsystem). `--no-seccomp` skips it for debugging.
 //!
-//! Not done: chroot / private mount namespace. The shim opens files named in requests
-//! (snapshot dirs, pause dirs), so a mount namespace would have to hold cubelet's template and
-//! sandbox directories; cubelet may start the shim inside such a namespace (`unshare -m` plus
-//! bind mounts) without changes here.
+//!
+//! Optional (`--jail-root DIR`, applied right after the cgroup, before any thread exists):
+//! [`enter_mount_jail`] moves the shim into a private mount namespace whose root is an empty
+//! tmpfs at `DIR` holding only `/dev/kvm`, `/dev/net/tun`, `/sys/module/kvm_pvm` (PVM hosts),
+//! a fresh `/proc` and the directories
+//! named with `--jail-bind` (cubelet's template, sandbox and socket directories), each at its
+//! own path so request paths mean the same inside; then `chroot`s there. Nothing else of the
+//! host filesystem is reachable from the shim.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -38,6 +42,144 @@ pub enum JailError {
     },
     #[error("invalid cgroup name {0:?} (a relative path without '..')")]
     CgroupName(String),
+    #[error("mount jail: {what}: {source}")]
+    Mount {
+        what: String,
+        source: std::io::Error,
+    },
+}
+
+fn cstr(p: &Path) -> Result<std::ffi::CString, JailError> {
+    use std::os::unix::ffi::OsStrExt;
+    std::ffi::CString::new(p.as_os_str().as_bytes()).map_err(|_| JailError::Mount {
+        what: format!("path {} has a NUL byte", p.display()),
+        source: std::io::Error::from(std::io::ErrorKind::InvalidInput),
+    })
+}
+
+fn sys(r: libc::c_int, what: impl FnOnce() -> String) -> Result<(), JailError> {
+    if r != 0 {
+        return Err(JailError::Mount {
+            what: what(),
+            source: std::io::Error::last_os_error(),
+        });
+    }
+    Ok(())
+}
+
+fn mount(
+    src: Option<&Path>,
+    dst: &Path,
+    fstype: Option<&str>,
+    flags: libc::c_ulong,
+    data: Option<&str>,
+) -> Result<(), JailError> {
+    let src_c = src.map(cstr).transpose()?;
+    let dst_c = cstr(dst)?;
+    let fs_c = fstype.map(|f| std::ffi::CString::new(f).unwrap_or_default());
+    let data_c = data.map(|d| std::ffi::CString::new(d).unwrap_or_default());
+    let p = |c: &Option<std::ffi::CString>| c.as_ref().map_or(std::ptr::null(), |c| c.as_ptr());
+    // SAFETY: every pointer is a valid NUL-terminated string or null.
+    let r = unsafe {
+        libc::mount(
+            p(&src_c),
+            dst_c.as_ptr(),
+            p(&fs_c),
+            flags,
+            p(&data_c) as *const libc::c_void,
+        )
+    };
+    sys(r, || {
+        format!(
+            "mount {} on {}",
+            src.map(|s| s.display().to_string())
+                .or(fstype.map(String::from))
+                .unwrap_or_default(),
+            dst.display()
+        )
+    })
+}
+
+/// Device nodes every shim needs inside its jail.
+pub const JAIL_DEVICES: &[&str] = &["/dev/kvm", "/dev/net/tun"];
+/// Host facts the hypervisor reads, bound when the host has them.
+pub const JAIL_IF_PRESENT: &[&str] = &["/sys/module/kvm_pvm"];
+
+/// Enters a private mount namespace rooted at an empty tmpfs on `root` that holds only
+/// [`JAIL_DEVICES`], `/proc` and `binds` (absolute paths, bound at the same path), and chroots
+/// there. Must run while the process has a single thread (mount namespaces are per thread
+/// until then shared by the threads created afterwards).
+pub fn enter_mount_jail(root: &Path, binds: &[PathBuf]) -> Result<(), JailError> {
+    for b in binds {
+        if !b.is_absolute() {
+            return Err(JailError::Mount {
+                what: format!("bind path {} is not absolute", b.display()),
+                source: std::io::Error::from(std::io::ErrorKind::InvalidInput),
+            });
+        }
+    }
+    let io = |what: String| move |e: std::io::Error| JailError::Mount { what, source: e };
+    std::fs::create_dir_all(root).map_err(io(format!("mkdir {}", root.display())))?;
+    // SAFETY: unshare with a flag constant.
+    sys(unsafe { libc::unshare(libc::CLONE_NEWNS) }, || {
+        "unshare(CLONE_NEWNS)".into()
+    })?;
+    // Nothing mounted here may leak back to the host's namespace.
+    mount(
+        None,
+        Path::new("/"),
+        None,
+        libc::MS_REC | libc::MS_PRIVATE,
+        None,
+    )?;
+    mount(
+        None,
+        root,
+        Some("tmpfs"),
+        libc::MS_NOSUID,
+        Some("mode=0755,size=1m"),
+    )?;
+    let mut all: Vec<PathBuf> = JAIL_DEVICES.iter().map(PathBuf::from).collect();
+    // The hypervisor tells PVM hosts by this directory (it shapes the vCPU state and the CPU
+    // model hash snapshots are checked against).
+    all.extend(
+        JAIL_IF_PRESENT
+            .iter()
+            .map(PathBuf::from)
+            .filter(|p| p.exists()),
+    );
+    all.extend(binds.iter().cloned());
+    for src in &all {
+        let rel = src.strip_prefix("/").unwrap_or(src);
+        let dst = root.join(rel);
+        let meta = std::fs::metadata(src).map_err(io(format!("bind source {}", src.display())))?;
+        if meta.is_dir() {
+            std::fs::create_dir_all(&dst).map_err(io(format!("mkdir {}", dst.display())))?;
+        } else {
+            if let Some(p) = dst.parent() {
+                std::fs::create_dir_all(p).map_err(io(format!("mkdir {}", p.display())))?;
+            }
+            std::fs::File::create(&dst).map_err(io(format!("create {}", dst.display())))?;
+        }
+        mount(Some(src), &dst, None, libc::MS_BIND | libc::MS_REC, None)?;
+    }
+    let proc_dir = root.join("proc");
+    std::fs::create_dir_all(&proc_dir).map_err(io(format!("mkdir {}", proc_dir.display())))?;
+    mount(
+        None,
+        &proc_dir,
+        Some("proc"),
+        libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+        None,
+    )?;
+    let root_c = cstr(root)?;
+    // SAFETY: chdir/chroot with valid NUL-terminated paths.
+    sys(unsafe { libc::chdir(root_c.as_ptr()) }, || {
+        format!("chdir {}", root.display())
+    })?;
+    sys(unsafe { libc::chroot(c".".as_ptr()) }, || "chroot".into())?;
+    sys(unsafe { libc::chdir(c"/".as_ptr()) }, || "chdir /".into())?;
+    Ok(())
 }
 
 pub fn no_new_privs() -> Result<(), JailError> {
@@ -211,10 +353,15 @@ pub fn cgroup_dirs(root: &Path, name: &str) -> Result<Vec<PathBuf>, JailError> {
     if root.join("cgroup.controllers").exists() {
         Ok(vec![root.join(rel)])
     } else {
-        Ok(vec![
-            root.join("cpu").join(rel),
-            root.join("memory").join(rel),
-        ])
+        // cpu and memory carry the limits; pids and freezer (when mounted) are joined too, so
+        // that whoever manages the cgroup (cubelet) finds and can kill the shim in each.
+        let mut v = vec![root.join("cpu").join(rel), root.join("memory").join(rel)];
+        for extra in ["pids", "freezer"] {
+            if root.join(extra).join("cgroup.procs").exists() {
+                v.push(root.join(extra).join(rel));
+            }
+        }
+        Ok(v)
     }
 }
 

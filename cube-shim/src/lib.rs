@@ -8,6 +8,11 @@
 //! also bound to that template ahead of time (memory mapped, files open and checked), so that
 //! restoring it only loads vCPU/VM state.
 //!
+//! With `--jail-root DIR` (and `--jail-bind PATH`…) the shim confines itself to a private
+//! mount namespace holding only what it needs ([`jail::enter_mount_jail`]) before it creates
+//! the VM. With `--build-template DIR` it does not serve: it boots the agent stand-in test guest
+//! once, snapshots it at its ready point into `DIR` and exits ([`template`]).
+//!
 //! # Control API (version 1)
 //! Newline-delimited JSON over the unix socket; one request line → one response line, in
 //! order. Connections are served one at a time per connection thread; requests on different
@@ -59,6 +64,7 @@ pub mod protocol;
 pub mod sandbox;
 pub mod server;
 pub mod stats;
+pub mod template;
 
 pub use client::{Client, ClientError};
 pub use protocol::{ErrorKind, Op, Reply, Request, Response, PROTOCOL_VERSION};

@@ -18,9 +18,9 @@ struct Args {
     /// Guest memory in MiB.
     #[arg(long)]
     mem_mib: u32,
-    /// Control socket path.
-    #[arg(long)]
-    socket: PathBuf,
+    /// Control socket path (required unless --build-template).
+    #[arg(long, required_unless_present = "build_template")]
+    socket: Option<PathBuf>,
     /// Cgroup to create/join (relative name under --cgroup-root), limited to the shape.
     #[arg(long)]
     cgroup: Option<String>,
@@ -36,6 +36,38 @@ struct Args {
     /// Skip the seccomp filter (debugging only).
     #[arg(long)]
     no_seccomp: bool,
+    /// Confine the shim to a private mount namespace rooted at this (empty) directory, holding
+    /// only /dev/kvm, /dev/net/tun, /proc and the --jail-bind paths.
+    #[arg(long)]
+    jail_root: Option<PathBuf>,
+    /// Absolute path visible inside the jail at the same path (repeat).
+    #[arg(long, requires = "jail_root")]
+    jail_bind: Vec<PathBuf>,
+    /// Build mode: boot the agent stand-in guest of this shape, wait for its ready point,
+    /// snapshot it into this directory, and exit (no control socket).
+    #[arg(long)]
+    build_template: Option<PathBuf>,
+    /// Build mode: the template's disk image, attached as virtio-blk.
+    #[arg(long, requires = "build_template")]
+    disk: Option<PathBuf>,
+    /// Build mode: attach a virtio-net device with this guest MAC (aa:bb:cc:dd:ee:ff).
+    #[arg(long, requires = "build_template")]
+    net_mac: Option<String>,
+    /// Build mode: how long the guest may take to become ready (ms).
+    #[arg(long, default_value_t = 30_000)]
+    build_timeout_ms: u64,
+}
+
+fn parse_mac(s: &str) -> anyhow::Result<[u8; 6]> {
+    let parts: Vec<&str> = s.split(':').collect();
+    if parts.len() != 6 {
+        anyhow::bail!("MAC {s:?}: expected six hex bytes separated by ':'");
+    }
+    let mut mac = [0u8; 6];
+    for (i, p) in parts.iter().enumerate() {
+        mac[i] = u8::from_str_radix(p, 16).with_context(|| format!("MAC {s:?}"))?;
+    }
+    Ok(mac)
 }
 
 fn main() {
@@ -53,6 +85,23 @@ fn main() {
 
 fn run(args: Args) -> anyhow::Result<()> {
     let shape = Shape::new(args.vcpus, args.mem_mib);
+    if let Some(out) = &args.build_template {
+        let mac = args.net_mac.as_deref().map(parse_mac).transpose()?;
+        let spec = cube_shim::template::BuildSpec {
+            kind: cube_shim::template::GuestKind::AgentStandin,
+            shape,
+            disk: args.disk.as_deref(),
+            net_mac: mac,
+            timeout: std::time::Duration::from_millis(args.build_timeout_ms),
+        };
+        let m = cube_shim::template::build(&spec, out)
+            .with_context(|| format!("build template into {}", out.display()))?;
+        println!("{}", serde_json::to_string(&m).unwrap_or_default());
+        return Ok(());
+    }
+    let Some(socket) = args.socket.clone() else {
+        anyhow::bail!("--socket is required");
+    };
     if let Some(name) = &args.cgroup {
         let limits = jail::CgroupLimits {
             vcpus: args.vcpus,
@@ -62,14 +111,19 @@ fn run(args: Args) -> anyhow::Result<()> {
             .with_context(|| format!("join cgroup {name}"))?;
         tracing::info!(?dirs, "joined cgroup");
     }
+    if let Some(root) = &args.jail_root {
+        // Before the VM shell exists: later threads inherit the namespace and root.
+        jail::enter_mount_jail(root, &args.jail_bind)
+            .with_context(|| format!("jail at {}", root.display()))?;
+    }
     let mut sandbox = Sandbox::new(shape).context("create the VM shell")?;
     if let Some(t) = &args.template {
         sandbox
             .prepare(t)
             .map_err(|e| anyhow::anyhow!("prepare for template {}: {}", t.display(), e.message))?;
     }
-    let server = Server::bind(&args.socket, sandbox)
-        .with_context(|| format!("bind {}", args.socket.display()))?;
+    let server =
+        Server::bind(&socket, sandbox).with_context(|| format!("bind {}", socket.display()))?;
     jail::no_new_privs()?;
     if !args.no_seccomp {
         jail::apply_seccomp()?;
@@ -79,7 +133,7 @@ fn run(args: Args) -> anyhow::Result<()> {
             .unwrap_or_else(|e| e.into_inner())
             .seccomp = true;
     }
-    tracing::info!(socket = %args.socket.display(), vcpus = args.vcpus, mem_mib = args.mem_mib, seccomp = !args.no_seccomp, "ready");
+    tracing::info!(socket = %socket.display(), jail = args.jail_root.is_some(), vcpus = args.vcpus, mem_mib = args.mem_mib, seccomp = !args.no_seccomp, "ready");
     server.run().context("serve")?;
     Ok(())
 }

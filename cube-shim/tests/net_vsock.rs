@@ -22,9 +22,7 @@ use cube_shim::devices::{
 use cube_shim::protocol::{ErrorKind, GuestStatus, Reply, SandboxState};
 use cube_shim::{Client, Op};
 
-mod shim_guests {
-    include!(concat!(env!("OUT_DIR"), "/shim_guests.rs"));
-}
+use cube_shim::template::guests as shim_guests;
 
 const ETH_TYPE: u16 = 0x88b5;
 const GUEST_MAC: [u8; 6] = [0x02, 0xcb, 0x5e, 0x00, 0x00, 0x07];
