@@ -28,6 +28,8 @@ pub struct Config {
     /// Hostname to set when acting as init.
     pub hostname: String,
     pub network: NetworkConfig,
+    /// The optional code-interpreter server (off by default).
+    pub interpreter: crate::interpreter::InterpreterConfig,
 }
 
 /// The guest's single network interface. Same identity in every sandbox (see ARCHITECTURE.md).
@@ -45,6 +47,7 @@ impl Default for Config {
         Config {
             hostname: "sandbox".into(),
             network: NetworkConfig::default(),
+            interpreter: crate::interpreter::InterpreterConfig::default(),
         }
     }
 }

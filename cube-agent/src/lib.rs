@@ -10,6 +10,7 @@ pub mod entry;
 pub mod files_http;
 pub mod fs_rpc;
 pub mod init;
+pub mod interpreter;
 pub mod mountinfo;
 pub mod net;
 pub mod pjson;

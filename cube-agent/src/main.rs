@@ -32,6 +32,9 @@ struct Cli {
     /// User for requests that name none (default: `user` if it exists, else the agent's own).
     #[arg(long, env = "CUBE_AGENT_DEFAULT_USER")]
     default_user: Option<String>,
+    /// Serve the code-interpreter protocol on this port (enables it regardless of the config).
+    #[arg(long, env = "CUBE_AGENT_INTERPRETER_PORT")]
+    interpreter_port: Option<u16>,
 }
 
 fn main() {
@@ -69,8 +72,31 @@ fn main() {
     }
 }
 
+/// Binds the code-interpreter port and pre-starts the default context. A failure here is
+/// logged, never fatal: envd must keep serving.
+async fn start_interpreter(
+    icfg: &cube_agent::interpreter::InterpreterConfig,
+    state: cube_agent::state::Shared,
+) {
+    let addr = format!("{}:{}", icfg.address, icfg.port);
+    let listener = match tokio::net::TcpListener::bind(&addr).await {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::error!("code interpreter: binding {addr}: {e}");
+            return;
+        }
+    };
+    let interp = cube_agent::interpreter::Interpreter::new(state, icfg.clone());
+    tracing::info!(%addr, "serving the code-interpreter protocol");
+    if icfg.prestart {
+        let i = interp.clone();
+        tokio::spawn(async move { i.prestart().await });
+    }
+    tokio::spawn(cube_agent::interpreter::serve(listener, interp));
+}
+
 fn run(cli: &Cli, is_init: bool) -> anyhow::Result<()> {
-    let cfg = match Config::load(&cli.config) {
+    let mut cfg = match Config::load(&cli.config) {
         Ok(c) => c,
         Err(e) if is_init => {
             tracing::error!("{e}; using defaults");
@@ -80,6 +106,10 @@ fn run(cli: &Cli, is_init: bool) -> anyhow::Result<()> {
     };
     if is_init {
         init::run(&cfg);
+    }
+    if let Some(p) = cli.interpreter_port {
+        cfg.interpreter.enabled = true;
+        cfg.interpreter.port = p;
     }
     let default_user = match &cli.default_user {
         Some(u) => {
@@ -112,6 +142,9 @@ fn run(cli: &Cli, is_init: bool) -> anyhow::Result<()> {
             "cube-agent serving envd"
         );
         let state = AgentState::new(default_user, is_init);
+        if cfg.interpreter.enabled {
+            start_interpreter(&cfg.interpreter, state.clone()).await;
+        }
         server::serve(listener, state).await;
         Ok::<(), anyhow::Error>(())
     })

@@ -1,0 +1,15 @@
+"""Session fixture: a real single-host Cube serving the `code-interpreter-v1` template (see
+stack.py). The first run debootstraps the template's root (minutes, then cached)."""
+
+import pytest
+
+import stack
+
+
+@pytest.fixture(scope="session")
+def cube():
+    try:
+        with stack.cube_stack(tag="ci") as c:
+            yield c
+    except stack.StackError as e:
+        pytest.fail(str(e))
