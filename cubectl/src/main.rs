@@ -1,18 +1,34 @@
-//! cubectl: operator CLI talking to cube-master's gRPC API.
+//! cubectl: the Cube operator CLI. Sets up a single-host Cube (`up`/`down`/`status`) and manages
+//! templates, sandboxes, snapshots, nodes and API keys through cube-master's gRPC API.
 
-use anyhow::Context;
+mod apikey;
+mod cleanup;
+mod client;
+mod configs;
+mod daemons;
+mod health;
+mod layout;
+mod node;
+mod output;
+mod progress;
+mod sandbox;
+mod template;
+mod up;
+
 use clap::{Parser, Subcommand};
-use cube_proto::master::v1 as pb;
-use cube_proto::master::v1::master_client::MasterClient;
-use serde_json::json;
+use std::path::PathBuf;
 
 #[derive(Parser)]
-#[command(name = "cubectl", about = "Cube operator CLI")]
+#[command(name = "cubectl", version, about = "Cube operator CLI")]
 struct Cli {
-    /// cube-master gRPC address.
-    #[arg(long, env = "CUBE_MASTER_URL", default_value = "http://127.0.0.1:9090")]
-    master: String,
-    /// Machine-readable output.
+    /// cube-master gRPC address (default: the install in --data-dir, else http://127.0.0.1:9090).
+    #[arg(long, global = true, env = "CUBE_MASTER_URL")]
+    master: Option<String>,
+    /// Data directory of a single-host install (`up`, `down`, `status`, and where the other
+    /// commands find the master).
+    #[arg(long, global = true, env = "CUBE_DATA_DIR", default_value = layout::DEFAULT_DATA_DIR)]
+    data_dir: PathBuf,
+    /// Machine-readable JSON output (stable camelCase field names).
     #[arg(long, global = true)]
     json: bool,
     #[command(subcommand)]
@@ -21,178 +37,122 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// API keys.
-    Apikey {
-        #[command(subcommand)]
-        cmd: ApiKeyCmd,
+    /// Starts cube-master, cube-api and cubelet on this host, builds `base` if missing, creates an
+    /// API key and prints the E2B_* variables for the SDKs.
+    Up(up::UpArgs),
+    /// Stops this host's install: kills its sandboxes, stops the daemons, removes mounts,
+    /// switch state and cgroups. Data stays unless --purge.
+    Down {
+        /// Also delete the data directory (templates, database, keys, logs).
+        #[arg(long)]
+        purge: bool,
     },
-    /// Sandboxes.
+    /// Daemons, runtime, nodes, sandbox counts, templates and URLs of this host's install
+    /// (exit status 3 when not fully up).
+    Status,
+    /// Templates: build, list, inspect, delete.
+    Template {
+        #[command(subcommand)]
+        cmd: template::TemplateCmd,
+    },
+    /// Sandboxes: list, get, kill, pause, resume, snapshot.
     Sandbox {
         #[command(subcommand)]
-        cmd: SandboxCmd,
+        cmd: sandbox::SandboxCmd,
     },
-    /// Nodes known to the master.
+    /// Snapshots: list, delete.
+    Snapshot {
+        #[command(subcommand)]
+        cmd: sandbox::SnapshotCmd,
+    },
+    /// Nodes: list, cordon, uncordon, drain.
+    Node {
+        #[command(subcommand)]
+        cmd: node::NodeCmd,
+    },
+    /// Same as `node list`.
+    #[command(hide = true)]
     Nodes,
-}
-
-#[derive(Subcommand)]
-enum ApiKeyCmd {
-    /// Creates a key and prints it (shown only once).
-    Create {
-        #[arg(long, default_value = "default")]
-        name: String,
-        #[arg(long, default_value = "")]
-        team: String,
+    /// API keys for the E2B API.
+    Apikey {
+        #[command(subcommand)]
+        cmd: apikey::ApiKeyCmd,
     },
-    List,
-    Revoke {
-        id: String,
+    /// One-time tokens for new nodes joining this master.
+    JoinToken {
+        #[command(subcommand)]
+        cmd: apikey::JoinTokenCmd,
     },
 }
 
-#[derive(Subcommand)]
-enum SandboxCmd {
-    List {
-        /// running, paused, killed, failed, ... (repeatable; default running+paused).
-        #[arg(long)]
-        state: Vec<String>,
-    },
-    Kill {
-        id: String,
-    },
-}
-
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
-    let mut m = MasterClient::connect(cli.master.clone())
-        .await
-        .with_context(|| format!("connecting to cube-master at {}", cli.master))?;
+async fn run(cli: Cli) -> anyhow::Result<i32> {
+    let url = || client::master_url(cli.master.as_deref(), &cli.data_dir);
     match cli.cmd {
-        Cmd::Apikey { cmd } => match cmd {
-            ApiKeyCmd::Create { name, team } => {
-                let r = m
-                    .create_api_key(pb::CreateApiKeyRequest {
-                        name,
-                        team_id: team,
-                    })
-                    .await?
-                    .into_inner();
-                let k = r.key.unwrap_or_default();
-                if cli.json {
-                    println!(
-                        "{}",
-                        json!({"id": k.id, "name": k.name, "team": k.team_id, "key": r.secret})
-                    );
-                } else {
-                    println!("{}", r.secret);
-                    eprintln!("created key {} ({}); it is not shown again", k.id, k.name);
-                }
+        Cmd::Up(a) => up::up(&cli.data_dir, a, cli.json).await.map(|_| 0),
+        Cmd::Down { purge } => up::down(&cli.data_dir, purge, cli.json).await.map(|_| 0),
+        Cmd::Status => up::status(&cli.data_dir, cli.json).await,
+        Cmd::Template { cmd } => {
+            // Check the arguments before connecting, so that a bad recipe says so.
+            if let template::TemplateCmd::Build(a) = &cmd {
+                template::recipe(a)?;
             }
-            ApiKeyCmd::List => {
-                let r = m
-                    .list_api_keys(pb::ListApiKeysRequest {})
-                    .await?
-                    .into_inner();
-                if cli.json {
-                    let v: Vec<_> = r
-                        .keys
-                        .iter()
-                        .map(|k| json!({"id": k.id, "name": k.name, "team": k.team_id, "prefix": k.prefix, "createdAtMs": k.created_at_ms, "revoked": k.revoked}))
-                        .collect();
-                    println!("{}", serde_json::Value::Array(v));
-                } else {
-                    println!(
-                        "{:<16} {:<20} {:<12} {:<14} REVOKED",
-                        "ID", "NAME", "TEAM", "PREFIX"
-                    );
-                    for k in r.keys {
-                        println!(
-                            "{:<16} {:<20} {:<12} {:<14} {}",
-                            k.id, k.name, k.team_id, k.prefix, k.revoked
-                        );
-                    }
-                }
-            }
-            ApiKeyCmd::Revoke { id } => {
-                let r = m
-                    .revoke_api_key(pb::RevokeApiKeyRequest { id: id.clone() })
-                    .await?
-                    .into_inner();
-                if cli.json {
-                    println!("{}", json!({"id": id, "revoked": r.existed}));
-                } else if r.existed {
-                    println!("revoked {id}");
-                } else {
-                    anyhow::bail!("no active key {id}");
-                }
-            }
-        },
-        Cmd::Sandbox { cmd } => match cmd {
-            SandboxCmd::List { state } => {
-                let r = m
-                    .list_sandboxes(pb::ListSandboxesRequest {
-                        states: state,
-                        limit: 100,
-                        ..Default::default()
-                    })
-                    .await?
-                    .into_inner();
-                if cli.json {
-                    let v: Vec<_> = r
-                        .sandboxes
-                        .iter()
-                        .map(|s| json!({"id": s.sandbox_id, "team": s.team_id, "template": s.template, "state": s.state, "node": s.node_id, "agent": s.agent_address, "startedAtMs": s.started_at_ms, "endAtMs": s.end_at_ms, "metadata": s.metadata}))
-                        .collect();
-                    println!("{}", serde_json::Value::Array(v));
-                } else {
-                    println!(
-                        "{:<22} {:<12} {:<10} {:<24} NODE",
-                        "ID", "TEMPLATE", "STATE", "AGENT"
-                    );
-                    for s in r.sandboxes {
-                        println!(
-                            "{:<22} {:<12} {:<10} {:<24} {}",
-                            s.sandbox_id, s.template, s.state, s.agent_address, s.node_id
-                        );
-                    }
-                }
-            }
-            SandboxCmd::Kill { id } => {
-                let r = m
-                    .kill_sandbox(pb::SandboxRef {
-                        team_id: String::new(),
-                        sandbox_id: id.clone(),
-                    })
-                    .await?
-                    .into_inner();
-                if cli.json {
-                    println!("{}", json!({"id": id, "killed": r.existed}));
-                } else if r.existed {
-                    println!("killed {id}");
-                } else {
-                    anyhow::bail!("no sandbox {id}");
-                }
-            }
-        },
+            let mut m = client::connect(&url()).await?;
+            template::run(cmd, &mut m, cli.json).await.map(|_| 0)
+        }
+        Cmd::Sandbox { cmd } => {
+            let mut m = client::connect(&url()).await?;
+            sandbox::run(cmd, &mut m, cli.json).await.map(|_| 0)
+        }
+        Cmd::Snapshot { cmd } => {
+            let mut m = client::connect(&url()).await?;
+            sandbox::run_snapshot(cmd, &mut m, cli.json)
+                .await
+                .map(|_| 0)
+        }
+        Cmd::Node { cmd } => {
+            let mut m = client::connect(&url()).await?;
+            node::run(cmd, &mut m, cli.json).await.map(|_| 0)
+        }
         Cmd::Nodes => {
-            let r = m.list_nodes(pb::ListNodesRequest {}).await?.into_inner();
-            if cli.json {
-                let v: Vec<_> = r
-                    .nodes
-                    .iter()
-                    .map(|n| json!({"id": n.node_id, "address": n.address, "status": n.status, "runtime": n.runtime, "sandboxes": n.sandboxes, "templates": n.templates}))
-                    .collect();
-                println!("{}", serde_json::Value::Array(v));
-            } else {
-                for n in r.nodes {
-                    println!(
-                        "{} {} {} {} sandboxes={} templates={:?}",
-                        n.node_id, n.address, n.status, n.runtime, n.sandboxes, n.templates
-                    );
-                }
-            }
+            let mut m = client::connect(&url()).await?;
+            node::run(node::NodeCmd::List, &mut m, cli.json)
+                .await
+                .map(|_| 0)
+        }
+        Cmd::Apikey { cmd } => {
+            let mut m = client::connect(&url()).await?;
+            apikey::run(cmd, &mut m, cli.json).await.map(|_| 0)
+        }
+        Cmd::JoinToken { cmd } => {
+            let mut m = client::connect(&url()).await?;
+            apikey::run_join_token(cmd, &mut m, cli.json)
+                .await
+                .map(|_| 0)
         }
     }
-    Ok(())
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("cubectl: starting the async runtime: {e}");
+            std::process::exit(1);
+        }
+    };
+    let code = match rt.block_on(run(cli)) {
+        Ok(c) => c,
+        Err(e) => {
+            // One line: the error and its causes.
+            eprintln!("cubectl: {}", format!("{e:#}").replace('\n', " "));
+            1
+        }
+    };
+    // Do not wait for lingering connections or blocking probes.
+    rt.shutdown_timeout(std::time::Duration::from_millis(100));
+    std::process::exit(code);
 }
