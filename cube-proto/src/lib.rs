@@ -19,3 +19,7 @@ pub mod master {
 }
 
 pub use node::v1 as nodev1;
+
+pub mod logging;
+pub mod systemd;
+pub mod tls;
