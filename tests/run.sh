@@ -33,6 +33,9 @@ step "build"
 cargo build --quiet --workspace --all-targets
 
 step "Rust tests"
+# cube-master's database tests run on SQLite and on the Debian PostgreSQL cluster.
+CUBE_TEST_PG_URL="$(bash deploy/postgres-test.sh)"
+export CUBE_TEST_PG_URL
 cargo test --workspace --no-fail-fast
 
 # Python suites: tests/<name>/ runs in the venv made from tests/requirements-<name>.txt.

@@ -24,8 +24,10 @@ pub struct Config {
     pub cache_dir: PathBuf,
     /// cube-agent binary copied into every template as /sbin/cube-agent.
     pub agent_binary: PathBuf,
-    /// Runtime for new sandboxes. Only "namespace" exists so far.
+    /// Runtime for new sandboxes: "namespace", "microvm" or "auto" (microvm when /dev/kvm can
+    /// run `microvm.guest`, else namespace).
     pub runtime: String,
+    pub microvm: MicroVmConfig,
     pub storage: StorageConfig,
     pub sandbox: SandboxConfig,
     pub cgroup: CgroupConfig,
@@ -33,6 +35,27 @@ pub struct Config {
     pub network: NetworkConfig,
     /// cube-vs settings: host address pool, guest identity, pin root, nftables table.
     pub switch: cube_vs::SwitchConfig,
+    /// Registration with cube-master (empty address = none; the master polls a static list).
+    pub master: MasterLink,
+    /// `"text"` or `"json"` (one object per line).
+    pub log_format: cube_proto::logging::LogFormat,
+    /// Mutual TLS for the gRPC server and the link to the master; absent = plaintext.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls: Option<cube_proto::tls::TlsConfig>,
+}
+
+/// `[master]`: where this node registers and heartbeats.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MasterLink {
+    /// The master's gRPC URL, e.g. `http://10.0.0.1:9090`; empty = do not register.
+    pub address: String,
+    /// One-time join token (from `CreateJoinToken`), needed when the master requires one. Used
+    /// once: later registrations present the node secret kept in the data directory.
+    pub join_token: String,
+    /// gRPC URL the master should use to reach this node; empty = `http://<grpc_addr>` (with
+    /// 127.0.0.1 for an unspecified address, so only right on a single host).
+    pub advertise: String,
 }
 
 /// Which switch isolates sandboxes.
@@ -52,6 +75,38 @@ pub enum SwitchKind {
 pub struct NetworkConfig {
     /// `"cube-vs"` (default) or `"none"`.
     pub switch: SwitchKind,
+}
+
+/// The `microvm` runtime (cube-shim processes hosting KVM microVMs).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MicroVmConfig {
+    /// The cube-shim binary.
+    pub shim_binary: PathBuf,
+    /// Guest: a PVH vmlinux path (needs hardware KVM), or "agent-standin" (the shim's test
+    /// guest standing in for cube-agent; runs on PVM too, for testing the machinery).
+    pub guest: String,
+    /// Pre-spawned shims (VM shell created, template mapped) per template.
+    pub shims_per_template: u32,
+    /// Pre-created taps.
+    pub taps: u32,
+    /// Confine each shim to a mount namespace holding only its files.
+    pub jail: bool,
+    /// Memory a shim may use beyond the guest's RAM (cgroup limit).
+    pub mem_overhead_mib: u64,
+}
+
+impl Default for MicroVmConfig {
+    fn default() -> Self {
+        MicroVmConfig {
+            shim_binary: "/usr/lib/cube/cube-shim".into(),
+            guest: "/usr/lib/cube/vmlinux".into(),
+            shims_per_template: 2,
+            taps: 4,
+            jail: true,
+            mem_overhead_mib: 128,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -118,12 +173,16 @@ impl Default for Config {
             cache_dir: "/var/cache/cube/templates".into(),
             agent_binary: "/usr/lib/cube/cube-agent".into(),
             runtime: "namespace".into(),
+            microvm: MicroVmConfig::default(),
             storage: StorageConfig::default(),
             sandbox: SandboxConfig::default(),
             cgroup: CgroupConfig::default(),
             pools: PoolConfig::default(),
             network: NetworkConfig::default(),
             switch: cube_vs::SwitchConfig::default(),
+            master: MasterLink::default(),
+            log_format: Default::default(),
+            tls: None,
         }
     }
 }

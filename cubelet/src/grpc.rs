@@ -83,12 +83,17 @@ fn sandbox_to(node: &Node, s: &SandboxState) -> pb::Sandbox {
         Phase::Creating | Phase::Pooled => pb::SandboxState::Creating,
         Phase::Running => pb::SandboxState::Running,
         Phase::Paused => pb::SandboxState::Paused,
+        #[cfg(feature = "microvm")]
+        Phase::Failed => pb::SandboxState::Failed,
     };
     pb::Sandbox {
         sandbox_id: s.id.clone(),
         template: s.template.clone(),
         build: s.build.clone(),
         state: state as i32,
+        #[cfg(feature = "microvm")]
+        runtime: s.runtime().into(),
+        #[cfg(not(feature = "microvm"))]
         runtime: crate::runtime::RUNTIME_NAME.into(),
         shape: Some(pb::Shape {
             vcpus: s.shape.vcpus,
@@ -97,10 +102,18 @@ fn sandbox_to(node: &Node, s: &SandboxState) -> pb::Sandbox {
         }),
         metadata: s.metadata.clone().into_iter().collect(),
         agent_address: node.agent_address(s),
+        #[cfg(not(feature = "microvm"))]
         host_interface: s
             .endpoint
             .as_ref()
             .map(|e| e.host_if.clone())
+            .unwrap_or_default(),
+        #[cfg(feature = "microvm")]
+        host_interface: s
+            .endpoint
+            .as_ref()
+            .map(|e| e.host_if.clone())
+            .or_else(|| s.microvm.as_ref().and_then(|m| m.tap.clone()))
             .unwrap_or_default(),
         created_at_ms: s.created_at_ms,
         create_latency_us: s.create_latency_us,
@@ -152,6 +165,78 @@ fn disk_free_mib(p: &std::path::Path) -> u64 {
         return 0;
     }
     (s.f_bavail as u64 * s.f_frsize as u64) >> 20
+}
+
+/// The build source of an ImportTemplate/BuildTemplate request, checked.
+// tonic's Status is the service's error type; boxing it here would only move the cost.
+#[allow(clippy::result_large_err)]
+fn source_from(r: &pb::ImportTemplateRequest) -> Result<Source, Status> {
+    let source = match r.source.clone() {
+        Some(pb::import_template_request::Source::Debootstrap(d)) => {
+            let base = Source::base();
+            let Source::Debootstrap {
+                suite,
+                packages,
+                mirror,
+            } = base
+            else {
+                return Err(Status::internal("base recipe"));
+            };
+            Source::Debootstrap {
+                suite: if d.suite.is_empty() { suite } else { d.suite },
+                packages: if d.packages.is_empty() {
+                    packages
+                } else {
+                    d.packages
+                },
+                mirror: if d.mirror.is_empty() {
+                    mirror
+                } else {
+                    d.mirror
+                },
+            }
+        }
+        Some(pb::import_template_request::Source::OciPath(p)) => Source::Oci { path: p.into() },
+        Some(pb::import_template_request::Source::Directory(p)) => {
+            Source::Directory { path: p.into() }
+        }
+        None => {
+            return Err(Status::invalid_argument(
+                "ImportTemplate: a source (debootstrap, oci_path or directory) is required",
+            ))
+        }
+    };
+    if let Source::Oci { path } | Source::Directory { path } = &source {
+        if !path.is_absolute() || !path.exists() {
+            return Err(Status::invalid_argument(format!(
+                "ImportTemplate: {} does not exist on the node (give an absolute path)",
+                path.display()
+            )));
+        }
+    }
+    Ok(source)
+}
+
+/// A build's progress event on the wire.
+fn build_event(e: crate::template::BuildEvent) -> pb::TemplateBuildEvent {
+    use crate::template::BuildEvent as B;
+    let (kind, message, bytes) = match e {
+        B::Phase(p) => ("phase", p.to_string(), 0),
+        B::Log(l) => ("progress", l, 0),
+        B::Reused => ("phase", "reusing the existing build".to_string(), 0),
+        B::Done { bytes } => (
+            "progress",
+            "root filesystem image written".to_string(),
+            bytes,
+        ),
+    };
+    pb::TemplateBuildEvent {
+        kind: kind.into(),
+        message,
+        done: bytes,
+        total: bytes,
+        template: None,
+    }
 }
 
 #[tonic::async_trait]
@@ -215,6 +300,10 @@ impl pb::node_server::Node for NodeService {
         let (m, reused) = self.node.snapshot(&r.sandbox_id, &r.template).await?;
         Ok(Response::new(pb::SnapshotSandboxResponse {
             template: Some(template_to(&m, reused)),
+            // The microvm runtime snapshots memory and devices too.
+            #[cfg(feature = "microvm")]
+            filesystem_only: self.node.selection.runtime != crate::microvm::RUNTIME_NAME,
+            #[cfg(not(feature = "microvm"))]
             filesystem_only: true,
         }))
     }
@@ -256,49 +345,7 @@ impl pb::node_server::Node for NodeService {
         req: Request<pb::ImportTemplateRequest>,
     ) -> Result<Response<pb::Template>, Status> {
         let r = req.into_inner();
-        let source = match r.source {
-            Some(pb::import_template_request::Source::Debootstrap(d)) => {
-                let base = Source::base();
-                let Source::Debootstrap {
-                    suite,
-                    packages,
-                    mirror,
-                } = base
-                else {
-                    return Err(Status::internal("base recipe"));
-                };
-                Source::Debootstrap {
-                    suite: if d.suite.is_empty() { suite } else { d.suite },
-                    packages: if d.packages.is_empty() {
-                        packages
-                    } else {
-                        d.packages
-                    },
-                    mirror: if d.mirror.is_empty() {
-                        mirror
-                    } else {
-                        d.mirror
-                    },
-                }
-            }
-            Some(pb::import_template_request::Source::OciPath(p)) => Source::Oci { path: p.into() },
-            Some(pb::import_template_request::Source::Directory(p)) => {
-                Source::Directory { path: p.into() }
-            }
-            None => {
-                return Err(Status::invalid_argument(
-                    "ImportTemplate: a source (debootstrap, oci_path or directory) is required",
-                ))
-            }
-        };
-        if let Source::Oci { path } | Source::Directory { path } = &source {
-            if !path.is_absolute() || !path.exists() {
-                return Err(Status::invalid_argument(format!(
-                    "ImportTemplate: {} does not exist on the node (give an absolute path)",
-                    path.display()
-                )));
-            }
-        }
+        let source = source_from(&r)?;
         let name = r.name.clone();
         let progress = Arc::new(
             move |e: crate::template::BuildEvent| tracing::info!(template = %name, event = ?e, "template build"),
@@ -324,21 +371,69 @@ impl pb::node_server::Node for NodeService {
         }))
     }
 
-    // PLACEHOLDER(lead): replaced by the real implementation during this session.
     type BuildTemplateStream = std::pin::Pin<
         Box<dyn futures::Stream<Item = Result<pb::TemplateBuildEvent, Status>> + Send>,
     >;
+    /// ImportTemplate with its progress streamed. The build runs to the end even when the
+    /// caller goes away (the result is a usable template either way).
     async fn build_template(
         &self,
-        _req: Request<pb::ImportTemplateRequest>,
+        req: Request<pb::ImportTemplateRequest>,
     ) -> Result<Response<Self::BuildTemplateStream>, Status> {
-        Err(Status::unimplemented("BuildTemplate"))
+        let r = req.into_inner();
+        crate::template::check_name(&r.name).map_err(NodeError::from)?;
+        let source = source_from(&r)?;
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let ptx = tx.clone();
+        let name = r.name.clone();
+        let progress = Arc::new(move |e: crate::template::BuildEvent| {
+            tracing::info!(template = %name, event = ?e, "template build");
+            let _ = ptx.send(build_event(e));
+        });
+        let node = self.node.clone();
+        tokio::spawn(async move {
+            let last = match node
+                .import_template(&r.name, source, r.extra_mib, progress)
+                .await
+            {
+                Ok((m, reused)) => pb::TemplateBuildEvent {
+                    kind: "done".into(),
+                    message: if reused {
+                        format!("template {} build {} reused", m.name, m.build)
+                    } else {
+                        format!("template {} build {} ready", m.name, m.build)
+                    },
+                    done: m.rootfs.bytes,
+                    total: m.rootfs.bytes,
+                    template: Some(template_to(&m, reused)),
+                },
+                Err(e) => pb::TemplateBuildEvent {
+                    kind: "error".into(),
+                    message: e.to_string(),
+                    ..Default::default()
+                },
+            };
+            let _ = tx.send(last);
+        });
+        let s = futures::stream::unfold(rx, |mut rx| async move {
+            rx.recv().await.map(|e| (Ok::<_, Status>(e), rx))
+        });
+        Ok(Response::new(Box::pin(s)))
     }
+
     async fn sandbox_stats(
         &self,
-        _req: Request<pb::SandboxRef>,
+        req: Request<pb::SandboxRef>,
     ) -> Result<Response<pb::SandboxStatsResponse>, Status> {
-        Err(Status::unimplemented("SandboxStats"))
+        let st = self.node.get(&req.into_inner().sandbox_id).await?;
+        #[cfg(feature = "microvm")]
+        if st.microvm.is_some() {
+            return Ok(Response::new(
+                crate::stats::sample_microvm(&self.node, &st).await?,
+            ));
+        }
+        let r = crate::stats::sample(&self.node, &st)?;
+        Ok(Response::new(r))
     }
 
     async fn node_status(
@@ -372,7 +467,13 @@ impl pb::node_server::Node for NodeService {
         Ok(Response::new(pb::NodeStatusResponse {
             node_id: n.cfg.node_id(),
             version: env!("CARGO_PKG_VERSION").into(),
+            #[cfg(feature = "microvm")]
+            runtime: n.selection.runtime.into(),
+            #[cfg(feature = "microvm")]
+            kvm_kind: n.selection.kvm_kind.clone(),
+            #[cfg(not(feature = "microvm"))]
             runtime: crate::runtime::RUNTIME_NAME.into(),
+            #[cfg(not(feature = "microvm"))]
             kvm_kind: crate::node::kvm_kind(),
             capacity: Some(cap),
             allocated: Some(alloc),

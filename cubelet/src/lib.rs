@@ -1,7 +1,10 @@
 //! Node daemon: templates, storage, network, pools and sandbox runtimes.
 //!
-//! Runtime on this build: `namespace` (Linux namespaces + cgroups + seccomp, shared kernel).
-//! The `microvm` runtime (cube-shim + cube-hypervisor) plugs into the same node operations.
+//! Runtimes: `namespace` (Linux namespaces + cgroups + seccomp, shared kernel), and with the
+//! `microvm` cargo feature also `microvm` (one cube-shim process per sandbox hosting a KVM
+//! microVM restored from a snapshot) and `auto`, which picks between them (`microvm::select`).
+//! The feature is off by default until its code has been built and tested in CI (see
+//! `tests/microvm.rs`).
 
 pub mod agent;
 pub mod cgroup;
@@ -9,14 +12,23 @@ pub mod config;
 pub mod fstree;
 pub mod grpc;
 pub mod metrics;
+#[cfg(feature = "microvm")]
+pub mod microvm;
 pub mod network;
+#[cfg_attr(feature = "microvm", path = "node_microvm.rs")]
 pub mod node;
 pub mod oci;
+pub mod registration;
 pub mod runtime;
 pub mod sandbox_init;
 pub mod seccomp;
 pub mod server;
+#[cfg(feature = "microvm")]
+pub mod shim_pool;
 pub mod state;
+pub mod stats;
 pub mod storage;
+#[cfg(feature = "microvm")]
+pub mod tap_pool;
 pub mod template;
 pub mod vswitch;

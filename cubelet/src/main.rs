@@ -75,10 +75,18 @@ fn main() {
     let cli = Cli::parse();
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&cli.log));
-    tracing_subscriber::fmt()
+    let fmt = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
+        .with_writer(std::io::stderr);
+    // The log format comes from the config; a config that does not load is reported by
+    // real_main, in text.
+    let json = Config::load(cli.config.as_deref())
+        .is_ok_and(|c| c.log_format == cube_proto::logging::LogFormat::Json);
+    if json {
+        fmt.json().init();
+    } else {
+        fmt.init();
+    }
     if let Err(e) = real_main(cli) {
         eprintln!("cubelet: {e:#}");
         std::process::exit(1);
@@ -174,8 +182,12 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                         Arc::new(cubelet::network::NoSwitch)
                     }
                 };
+                // The master link uses the same fleet identity as the gRPC server.
+                cube_proto::tls::set_process_tls(cfg.tls.clone()).context("[tls]")?;
                 let node = cubelet::node::Node::start(cfg, hook).await?;
                 node.spawn_refiller();
+                // `[master] address` set: register and heartbeat (never fatal).
+                let registration = cubelet::registration::spawn(node.clone());
                 let stop = async {
                     let mut term =
                         tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
@@ -186,6 +198,9 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                     }
                 };
                 cubelet::server::serve(node.clone(), grpc, http, stop).await?;
+                if let Some(r) = registration {
+                    r.abort();
+                }
                 tracing::info!(kill_sandboxes_on_exit, "shutting down");
                 node.shutdown(kill_sandboxes_on_exit).await;
                 Ok(())

@@ -47,15 +47,26 @@ pub async fn serve(
     let svc = cube_proto::nodev1::node_server::NodeServer::new(crate::grpc::NodeService {
         node: node.clone(),
     });
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(t) = &node.cfg.tls {
+        // Mutual TLS: only holders of a fleet certificate (the master) may call the node.
+        builder = builder
+            .tls_config(t.server().context("[tls]")?)
+            .context("[tls]")?;
+    }
     let grpc = tokio::spawn(async move {
-        tonic::transport::Server::builder()
+        builder
             .add_service(svc)
             .serve_with_incoming_shutdown(tokio_stream_listener(grpc_listener), async move {
                 let _ = rx2.recv().await;
             })
             .await
     });
-    tracing::info!(%grpc_addr, %http_addr, "cubelet serving");
+    tracing::info!(%grpc_addr, %http_addr, tls = node.cfg.tls.is_some(), "cubelet serving");
+    // Both listeners are bound: ready for systemd (Type=notify).
+    if let Err(e) = cube_proto::systemd::notify_ready() {
+        tracing::warn!(error = %e, "sd_notify READY failed");
+    }
     shutdown.await;
     let _ = tx.send(());
     let _ = grpc.await;

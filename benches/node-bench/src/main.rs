@@ -1,4 +1,5 @@
-//! `node-bench`: runs a real cubelet (namespace runtime) and measures
+//! `node-bench`: runs a real cubelet (namespace runtime, or `--runtime microvm`, see
+//! [`microvm`]) and measures
 //! * CreateSandbox → agent healthy (+ /init) with a warm pool of pre-started sandboxes, and cold;
 //! * host memory per idle sandbox with many idle sandboxes.
 //!
@@ -12,6 +13,9 @@ use cube_proto::nodev1::node_client::NodeClient;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+#[cfg(feature = "microvm")]
+mod microvm;
 
 #[derive(Parser)]
 #[command(about = "cubelet node benchmarks (namespace runtime)")]
@@ -34,9 +38,16 @@ struct Args {
     /// Pre-started sandboxes kept in the warm pool.
     #[arg(long, default_value_t = 4)]
     pool: u32,
+    /// "namespace" (default) or "microvm" (cube-shim + KVM with the agent stand-in guest).
+    #[arg(long, default_value = "namespace")]
+    runtime: String,
+    /// cube-shim binary for --runtime microvm (default: next to this binary).
+    #[arg(long)]
+    #[cfg_attr(not(feature = "microvm"), allow(dead_code))]
+    shim: Option<PathBuf>,
 }
 
-struct Daemon {
+pub(crate) struct Daemon {
     child: Child,
     grpc: String,
 }
@@ -57,7 +68,7 @@ impl Drop for Daemon {
     }
 }
 
-fn free_port() -> anyhow::Result<u16> {
+pub(crate) fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port())
@@ -91,7 +102,7 @@ fn write_config(
     Ok((p, format!("http://127.0.0.1:{g}"), format!("127.0.0.1:{h}")))
 }
 
-async fn start(
+pub(crate) async fn start(
     cubelet: &Path,
     cfg: &Path,
     grpc: &str,
@@ -176,7 +187,7 @@ fn phase_sums(http: &str) -> anyhow::Result<Vec<(String, f64, f64)>> {
     Ok(out)
 }
 
-fn pct(v: &mut [f64], p: f64) -> f64 {
+pub(crate) fn pct(v: &mut [f64], p: f64) -> f64 {
     if v.is_empty() {
         return 0.0;
     }
@@ -185,7 +196,7 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
     v[i.min(v.len() - 1)]
 }
 
-fn meminfo(key: &str) -> u64 {
+pub(crate) fn meminfo(key: &str) -> u64 {
     std::fs::read_to_string("/proc/meminfo")
         .ok()
         .and_then(|s| {
@@ -252,6 +263,42 @@ async fn main() -> anyhow::Result<()> {
     let me = std::env::current_exe()?;
     let dir = me.parent().map(Path::to_path_buf).unwrap_or_default();
     let cubelet = a.cubelet.clone().unwrap_or_else(|| dir.join("cubelet"));
+    #[cfg(not(feature = "microvm"))]
+    if a.runtime == "microvm" {
+        bail!("--runtime microvm: build node-bench with `--features microvm`");
+    }
+    #[cfg(feature = "microvm")]
+    if a.runtime == "microvm" {
+        let shim = a.shim.clone().unwrap_or_else(|| dir.join("cube-shim"));
+        for (what, p) in [("cubelet", &cubelet), ("cube-shim", &shim)] {
+            if !p.exists() {
+                bail!(
+                    "{what} binary {} not found (build it, or pass its path)",
+                    p.display()
+                );
+            }
+        }
+        let unix = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_secs();
+        let out = a
+            .out
+            .clone()
+            .unwrap_or_else(|| PathBuf::from(format!("benches/results/node-bench-microvm-{unix}")));
+        std::fs::create_dir_all(&out)?;
+        return microvm::run(microvm::Opts {
+            cubelet,
+            shim,
+            out,
+            iterations: a.iterations,
+            idle: a.idle,
+            pool: a.pool,
+            unix,
+        })
+        .await;
+    } else if a.runtime != "namespace" {
+        bail!("--runtime: \"namespace\" or \"microvm\"");
+    }
     let agent = a
         .agent
         .clone()

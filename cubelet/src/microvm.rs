@@ -1,0 +1,677 @@
+//! The `microvm` runtime: one cube-shim process per sandbox hosting a KVM microVM restored from
+//! the template's memory snapshot, and the choice between it and `namespace` (`runtime = auto`).
+//!
+//! Pieces (the node wires them into its operations, see `node.rs`):
+//! * [`select`]: which runtime this host runs, and why.
+//! * [`ShimSpawner`]: starts shims (jailed: own cgroup with the shape's limits, mount namespace,
+//!   seccomp, no new privileges) and waits for their control socket.
+//! * [`crate::shim_pool::ShimPool`]: shims spawned ahead of time, VM shell created and the
+//!   template's memory already mapped, so a create only loads state.
+//! * [`InitResponder`]: the host end of the guest's init channel. The guest (today the shim's
+//!   `agent_standin` test guest; cube-agent on hosts with hardware KVM) connects over vsock to
+//!   host port [`cube_shim::template::STANDIN_INIT_PORT`] after every restore or resume and gets
+//!   a fresh [`InitPayload`]: clock, 32 bytes of entropy from the host, env vars and token, so
+//!   no two copies of one snapshot share RNG state.
+//! * template snapshots: [`build_snapshot`] boots the guest once (`cube-shim --build-template`)
+//!   and snapshots it at its ready point into `templates/<t>/<build>/microvm-<v>c<m>m/`.
+
+use std::io::{Read, Write};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use cube_shim::protocol::Reply;
+use cube_shim::{Client, Op};
+use serde::{Deserialize, Serialize};
+
+use crate::config::MicroVmConfig;
+
+pub const RUNTIME_NAME: &str = "microvm";
+/// `microvm.guest` value selecting the shim's agent stand-in test guest.
+pub const STANDIN_GUEST: &str = "agent-standin";
+/// Whether this build can boot Linux templates in microVMs (PVH kernel + rootfs + cube-agent
+/// reached over the tap). Not yet: the shim restores only snapshots made by its own builder.
+pub const LINUX_GUEST_SUPPORTED: bool = false;
+
+#[derive(Debug, thiserror::Error)]
+pub enum MicroVmError {
+    #[error("{0}")]
+    Unavailable(String),
+    #[error("spawn cube-shim: {0}")]
+    Spawn(String),
+    #[error("cube-shim: {0}")]
+    Shim(#[from] cube_shim::ClientError),
+    #[error("template snapshot: {0}")]
+    Build(String),
+    #[error("init: {0}")]
+    Init(String),
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// The runtime a node runs and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Selection {
+    pub runtime: &'static str,
+    pub kvm_kind: String,
+    pub reason: String,
+}
+
+/// The guest configured for microVMs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Guest {
+    Standin,
+    Linux(PathBuf),
+}
+
+impl Guest {
+    pub fn from_config(s: &str) -> Guest {
+        if s == STANDIN_GUEST {
+            Guest::Standin
+        } else {
+            Guest::Linux(PathBuf::from(s))
+        }
+    }
+}
+
+/// Whether `/dev/kvm` of kind `kvm_kind` ("none", "pvm", "hardware") can run `guest`, and if
+/// not, why.
+pub fn can_run(kvm_kind: &str, guest: &Guest, shim: &Path) -> Result<(), String> {
+    if kvm_kind == "none" {
+        return Err("no /dev/kvm".into());
+    }
+    if !shim.exists() {
+        return Err(format!("cube-shim binary {} not found", shim.display()));
+    }
+    match guest {
+        Guest::Standin => Ok(()),
+        Guest::Linux(k) => {
+            if kvm_kind != "hardware" {
+                return Err(format!(
+                    "/dev/kvm is {kvm_kind} (no VMX/SVM): a Linux guest kernel cannot boot usefully here"
+                ));
+            }
+            if !k.exists() {
+                return Err(format!("guest kernel {} not found", k.display()));
+            }
+            if !LINUX_GUEST_SUPPORTED {
+                return Err(
+                    "this build cannot boot Linux templates in microVMs yet (see deploy/guest-kernel/linux-e2e.sh)"
+                        .into(),
+                );
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Decides the runtime for `configured` ("namespace", "microvm", "auto").
+pub fn select(configured: &str, kvm_kind: &str, cfg: &MicroVmConfig) -> Result<Selection, String> {
+    let guest = Guest::from_config(&cfg.guest);
+    let ok = can_run(kvm_kind, &guest, &cfg.shim_binary);
+    let sel = |runtime, reason: String| Selection {
+        runtime,
+        kvm_kind: kvm_kind.to_string(),
+        reason,
+    };
+    match configured {
+        "namespace" => Ok(sel(
+            crate::runtime::RUNTIME_NAME,
+            "configured runtime = \"namespace\"".into(),
+        )),
+        "microvm" => match ok {
+            Ok(()) => Ok(sel(
+                RUNTIME_NAME,
+                format!("configured runtime = \"microvm\", guest {:?}", cfg.guest),
+            )),
+            Err(why) => Err(format!(
+                "runtime \"microvm\" cannot run guest {:?} here: {why}",
+                cfg.guest
+            )),
+        },
+        "auto" => Ok(match ok {
+            Ok(()) => sel(
+                RUNTIME_NAME,
+                format!("auto: /dev/kvm ({kvm_kind}) can run guest {:?}", cfg.guest),
+            ),
+            Err(why) => sel(
+                crate::runtime::RUNTIME_NAME,
+                format!("auto: microvm unavailable ({why}); using namespace"),
+            ),
+        }),
+        other => Err(format!(
+            "unknown runtime {other:?} (use \"namespace\", \"microvm\" or \"auto\")"
+        )),
+    }
+}
+
+/// Per-sandbox microVM state (persisted inside the sandbox's state file).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
+pub struct MicroVmState {
+    /// The shim's control socket.
+    pub socket: PathBuf,
+    /// The shim's jail root (removed with the sandbox).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub jail_root: Option<PathBuf>,
+    /// The template snapshot it was restored from.
+    pub snapshot: PathBuf,
+    pub tap: Option<String>,
+    /// The host socket of the guest's vsock device (`<vsock>_<port>` for guest connections).
+    pub vsock: PathBuf,
+    /// Set while paused to disk: the directory holding the state (guest memory released).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub paused_dir: Option<PathBuf>,
+    /// Init payloads the guest acknowledged (one per restore / resume).
+    #[serde(default)]
+    pub inits: u32,
+    /// What every init carries (env vars, token, user); clock and entropy are fresh each time.
+    #[serde(default)]
+    pub init: InitBody,
+    /// Why the sandbox failed (shim gone), when it did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure: Option<String>,
+}
+
+/// A started shim.
+#[derive(Debug)]
+pub struct SpawnedShim {
+    pub key: String,
+    pub pid: i32,
+    pub pid_start: u64,
+    pub socket: PathBuf,
+    pub jail_root: Option<PathBuf>,
+    pub child: Child,
+}
+
+/// Starts shims for one node.
+#[derive(Debug, Clone)]
+pub struct ShimSpawner {
+    pub binary: PathBuf,
+    /// Sockets and logs.
+    pub shims_dir: PathBuf,
+    /// Jail roots (one empty directory per shim).
+    pub roots_dir: PathBuf,
+    /// Paths every jail holds (the data directory, the sockets directory).
+    pub binds: Vec<PathBuf>,
+    pub jail: bool,
+    pub cgroup_root: PathBuf,
+    pub cgroup_parent: String,
+    pub mem_overhead_mib: u64,
+}
+
+impl ShimSpawner {
+    pub fn socket_for(&self, key: &str) -> PathBuf {
+        self.shims_dir.join(format!("{key}.sock"))
+    }
+
+    /// Spawns a shim for `shape` (optionally prepared for `template`) in cgroup
+    /// `<parent>/<key>` (which the caller created with its limits) and waits until it answers.
+    pub fn spawn(
+        &self,
+        key: &str,
+        vcpus: u32,
+        mem_mib: u64,
+        template: Option<&Path>,
+        timeout: Duration,
+    ) -> Result<SpawnedShim, MicroVmError> {
+        let socket = self.socket_for(key);
+        let log = std::fs::File::create(self.shims_dir.join(format!("{key}.log")))?;
+        let mut cmd = Command::new(&self.binary);
+        cmd.arg("--vcpus")
+            .arg(vcpus.to_string())
+            .arg("--mem-mib")
+            .arg(mem_mib.to_string())
+            .arg("--socket")
+            .arg(&socket)
+            .arg("--cgroup")
+            .arg(format!("{}/{key}", self.cgroup_parent))
+            .arg("--cgroup-root")
+            .arg(&self.cgroup_root)
+            .arg("--mem-overhead-mib")
+            .arg(self.mem_overhead_mib.to_string());
+        if let Some(t) = template {
+            cmd.arg("--template").arg(t);
+        }
+        let jail_root = self.jail.then(|| self.roots_dir.join(key));
+        if let Some(r) = &jail_root {
+            cmd.arg("--jail-root").arg(r);
+            for b in &self.binds {
+                cmd.arg("--jail-bind").arg(b);
+            }
+        }
+        cmd.env_clear()
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log);
+        // Its own session: signals to cubelet's process group must not reach sandboxes, which
+        // outlive a cubelet restart.
+        // SAFETY: setsid is async-signal-safe.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::setsid();
+                Ok(())
+            });
+        }
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| MicroVmError::Spawn(format!("{}: {e}", self.binary.display())))?;
+        let pid = child.id() as i32;
+        let t0 = Instant::now();
+        loop {
+            if let Ok(Some(st)) = child.try_wait() {
+                let log = std::fs::read_to_string(self.shims_dir.join(format!("{key}.log")))
+                    .unwrap_or_default();
+                return Err(MicroVmError::Spawn(format!(
+                    "shim exited at start ({st}): {}",
+                    log.trim()
+                )));
+            }
+            if socket.exists() {
+                if let Ok(mut c) = Client::connect(&socket) {
+                    let _ = c.set_timeout(Some(Duration::from_secs(5)));
+                    if let Ok(Reply::Pong { .. }) = c.call(Op::Ping) {
+                        break;
+                    }
+                }
+            }
+            if t0.elapsed() > timeout {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(MicroVmError::Spawn(format!(
+                    "shim did not answer within {timeout:?}"
+                )));
+            }
+            std::thread::sleep(Duration::from_micros(500));
+        }
+        let pid_start = crate::runtime::proc_start_time(pid)
+            .ok_or_else(|| MicroVmError::Spawn(format!("shim pid {pid} vanished")))?;
+        Ok(SpawnedShim {
+            key: key.to_string(),
+            pid,
+            pid_start,
+            socket,
+            jail_root,
+            child,
+        })
+    }
+
+    /// Removes what a shim left in the node's directories (socket, log, jail root).
+    pub fn cleanup(&self, key: &str) {
+        let _ = std::fs::remove_file(self.socket_for(key));
+        let _ = std::fs::remove_file(self.shims_dir.join(format!("{key}.log")));
+        let _ = std::fs::remove_dir(self.roots_dir.join(key));
+    }
+}
+
+/// One call to a shim with a deadline (blocking; run it off the async threads).
+pub fn call(socket: &Path, op: Op, timeout: Duration) -> Result<Reply, MicroVmError> {
+    let mut c = Client::connect(socket)?;
+    c.set_timeout(Some(timeout))?;
+    Ok(c.call(op)?)
+}
+
+/// Waits until the stand-in guest finished its init round and parked (last checkpoint
+/// [`cube_shim::template::STANDIN_INIT_DONE`]). A pause or snapshot taken in the middle of a
+/// round would cut its vsock connection and it would never ask for an init again (cube-agent
+/// needs no such wait: the host sends it `/init` after a resume).
+pub fn wait_standin_idle(socket: &Path, timeout: Duration) -> Result<(), MicroVmError> {
+    let t0 = Instant::now();
+    loop {
+        if let Reply::Stats { checkpoints, .. } = call(socket, Op::Stats, timeout)? {
+            if checkpoints.last() == Some(&cube_shim::template::STANDIN_INIT_DONE) {
+                return Ok(());
+            }
+        }
+        if t0.elapsed() > timeout {
+            return Err(MicroVmError::Init(format!(
+                "the guest did not settle after its init within {timeout:?}"
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Directory of a template build's microVM snapshot for a shape.
+pub fn snapshot_dir(build_dir: &Path, vcpus: u32, mem_mib: u64) -> PathBuf {
+    build_dir.join(format!("microvm-{vcpus}c{mem_mib}m"))
+}
+
+/// Boots the configured guest once and snapshots it at its ready point into `out`
+/// (`cube-shim --build-template`, so the guest never runs inside cubelet).
+pub fn build_snapshot(
+    shim: &Path,
+    guest: &Guest,
+    out: &Path,
+    vcpus: u32,
+    mem_mib: u64,
+    disk: Option<&Path>,
+    guest_mac: [u8; 6],
+) -> Result<(), MicroVmError> {
+    if let Guest::Linux(k) = guest {
+        return Err(MicroVmError::Build(format!(
+            "booting Linux ({}) into a template snapshot is not implemented in this build",
+            k.display()
+        )));
+    }
+    let staging = out.with_extension(format!("tmp{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&staging);
+    let mac = guest_mac
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":");
+    let mut cmd = Command::new(shim);
+    cmd.arg("--vcpus")
+        .arg(vcpus.to_string())
+        .arg("--mem-mib")
+        .arg(mem_mib.to_string())
+        .arg("--build-template")
+        .arg(&staging)
+        .arg("--net-mac")
+        .arg(&mac)
+        .env_clear()
+        .env("RUST_LOG", "warn");
+    if let Some(d) = disk {
+        cmd.arg("--disk").arg(d);
+    }
+    let o = cmd
+        .output()
+        .map_err(|e| MicroVmError::Build(format!("run {}: {e}", shim.display())))?;
+    if !o.status.success() {
+        let _ = std::fs::remove_dir_all(&staging);
+        return Err(MicroVmError::Build(
+            String::from_utf8_lossy(&o.stderr).trim().to_string(),
+        ));
+    }
+    // Replacing an older snapshot: sandboxes restored from it keep the old files (mapped).
+    if out.exists() {
+        let old = out.with_extension(format!("old{}", std::process::id()));
+        std::fs::rename(out, &old)?;
+        std::fs::rename(&staging, out)?;
+        let _ = std::fs::remove_dir_all(&old);
+    } else {
+        std::fs::rename(&staging, out)?;
+    }
+    Ok(())
+}
+
+/// What the guest gets after every restore / resume.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
+pub struct InitBody {
+    pub env_vars: std::collections::BTreeMap<String, String>,
+    pub access_token: Option<String>,
+    pub default_user: String,
+    pub default_workdir: String,
+}
+
+/// Binary init message: `"CUBI"`, version 1 (u32 LE), unix time in ns (u64 LE), 32 bytes of
+/// entropy, JSON length (u32 LE), JSON [`InitBody`]. One vsock packet (≤ 4052 bytes).
+#[derive(Debug, Clone, PartialEq)]
+pub struct InitPayload {
+    pub clock_ns: u64,
+    pub entropy: [u8; 32],
+    pub body: InitBody,
+}
+
+pub const INIT_MAGIC: &[u8; 4] = b"CUBI";
+
+impl InitPayload {
+    /// A payload with fresh entropy and the current time.
+    pub fn fresh(body: InitBody) -> InitPayload {
+        let mut entropy = [0u8; 32];
+        // SAFETY: getrandom into a local buffer.
+        unsafe { libc::getrandom(entropy.as_mut_ptr() as *mut libc::c_void, 32, 0) };
+        let clock_ns = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        InitPayload {
+            clock_ns,
+            entropy,
+            body,
+        }
+    }
+
+    pub fn encode(&self) -> Result<Vec<u8>, MicroVmError> {
+        let json = serde_json::to_vec(&self.body).map_err(|e| MicroVmError::Init(e.to_string()))?;
+        let mut v = Vec::with_capacity(52 + json.len());
+        v.extend_from_slice(INIT_MAGIC);
+        v.extend_from_slice(&1u32.to_le_bytes());
+        v.extend_from_slice(&self.clock_ns.to_le_bytes());
+        v.extend_from_slice(&self.entropy);
+        v.extend_from_slice(&(json.len() as u32).to_le_bytes());
+        v.extend_from_slice(&json);
+        if v.len() > cube_shim::template::STANDIN_MAX_INIT {
+            return Err(MicroVmError::Init(format!(
+                "init payload is {} bytes; the guest takes at most {}",
+                v.len(),
+                cube_shim::template::STANDIN_MAX_INIT
+            )));
+        }
+        Ok(v)
+    }
+
+    pub fn decode(b: &[u8]) -> Result<InitPayload, MicroVmError> {
+        let bad = |m: &str| MicroVmError::Init(format!("bad init payload: {m}"));
+        if b.len() < 52 || &b[0..4] != INIT_MAGIC {
+            return Err(bad("no magic"));
+        }
+        if b[4..8] != 1u32.to_le_bytes() {
+            return Err(bad("version"));
+        }
+        let mut c = [0u8; 8];
+        c.copy_from_slice(&b[8..16]);
+        let mut entropy = [0u8; 32];
+        entropy.copy_from_slice(&b[16..48]);
+        let mut l = [0u8; 4];
+        l.copy_from_slice(&b[48..52]);
+        let n = u32::from_le_bytes(l) as usize;
+        let json = b.get(52..52 + n).ok_or_else(|| bad("short JSON"))?;
+        let body = serde_json::from_slice(json).map_err(|e| bad(&e.to_string()))?;
+        Ok(InitPayload {
+            clock_ns: u64::from_le_bytes(c),
+            entropy,
+            body,
+        })
+    }
+}
+
+/// The host end of a sandbox's init channel: listens on `<vsock>_<port>`, answers every
+/// guest "redy" with a fresh payload, and reports each acknowledged one (guest shut the
+/// connection down after reading it).
+pub struct InitResponder {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    listener: std::sync::Arc<std::os::unix::net::UnixListener>,
+    path: PathBuf,
+    acks: std::sync::mpsc::Receiver<Result<InitPayload, String>>,
+}
+
+impl InitResponder {
+    pub fn listen_path(vsock: &Path) -> PathBuf {
+        PathBuf::from(format!(
+            "{}_{}",
+            vsock.display(),
+            cube_shim::template::STANDIN_INIT_PORT
+        ))
+    }
+
+    /// Binds (replacing a stale socket) and serves in a thread (blocked in `accept`, so an
+    /// idle sandbox costs no CPU) until dropped.
+    pub fn start(vsock: &Path, body: InitBody) -> Result<InitResponder, MicroVmError> {
+        let path = Self::listen_path(vsock);
+        let _ = std::fs::remove_file(&path);
+        // Validate once up front so that an oversized body fails the create, not the guest.
+        InitPayload::fresh(body.clone()).encode()?;
+        let listener = std::sync::Arc::new(std::os::unix::net::UnixListener::bind(&path)?);
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (tx, acks) = std::sync::mpsc::channel();
+        let (s2, l2) = (stop.clone(), listener.clone());
+        std::thread::Builder::new()
+            .name("init".into())
+            .stack_size(256 << 10)
+            .spawn(move || loop {
+                let r = l2.accept();
+                if s2.load(std::sync::atomic::Ordering::SeqCst) {
+                    return;
+                }
+                let sent = match r {
+                    Ok((conn, _)) => tx.send(serve_init(conn, &body)),
+                    Err(e) => {
+                        std::thread::sleep(Duration::from_millis(10));
+                        tx.send(Err(format!("accept: {e}")))
+                    }
+                };
+                if sent.is_err() {
+                    return;
+                }
+            })?;
+        Ok(InitResponder {
+            stop,
+            listener,
+            path,
+            acks,
+        })
+    }
+
+    /// Waits for the next acknowledged init.
+    pub fn wait_ack(&self, timeout: Duration) -> Result<InitPayload, MicroVmError> {
+        match self.acks.recv_timeout(timeout) {
+            Ok(Ok(p)) => Ok(p),
+            Ok(Err(e)) => Err(MicroVmError::Init(e)),
+            Err(_) => Err(MicroVmError::Init(format!(
+                "the guest did not take its init payload within {timeout:?}"
+            ))),
+        }
+    }
+
+    /// Acknowledged inits since the last call, without waiting.
+    pub fn drain(&self) -> Vec<Result<InitPayload, String>> {
+        self.acks.try_iter().collect()
+    }
+}
+
+impl Drop for InitResponder {
+    fn drop(&mut self) {
+        use std::os::fd::AsRawFd;
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        // Wakes the thread blocked in accept (Linux: accept on a shut-down listener fails).
+        // SAFETY: shutdown(2) on a socket fd this struct keeps open.
+        unsafe { libc::shutdown(self.listener.as_raw_fd(), libc::SHUT_RDWR) };
+        // And in case it did not: a connection ends its accept, and it sees `stop`.
+        let _ = std::os::unix::net::UnixStream::connect(&self.path);
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+fn serve_init(
+    mut conn: std::os::unix::net::UnixStream,
+    body: &InitBody,
+) -> Result<InitPayload, String> {
+    conn.set_read_timeout(Some(Duration::from_secs(10)))
+        .map_err(|e| e.to_string())?;
+    let mut hello = [0u8; 4];
+    conn.read_exact(&mut hello)
+        .map_err(|e| format!("read guest hello: {e}"))?;
+    if &hello != b"redy" {
+        return Err(format!("unexpected guest hello {hello:?}"));
+    }
+    let p = InitPayload::fresh(body.clone());
+    let bytes = p.encode().map_err(|e| e.to_string())?;
+    conn.write_all(&bytes)
+        .map_err(|e| format!("send init: {e}"))?;
+    // The guest shuts the connection down once it has the payload.
+    let mut rest = Vec::new();
+    conn.read_to_end(&mut rest)
+        .map_err(|e| format!("wait for the guest's acknowledgement: {e}"))?;
+    Ok(p)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(guest: &str, shim: &Path) -> MicroVmConfig {
+        MicroVmConfig {
+            guest: guest.into(),
+            shim_binary: shim.to_path_buf(),
+            ..MicroVmConfig::default()
+        }
+    }
+
+    #[test]
+    fn auto_picks_microvm_only_where_the_guest_can_run() {
+        let d = tempfile::tempdir().unwrap();
+        let shim = d.path().join("cube-shim");
+        std::fs::write(&shim, b"").unwrap();
+        let kernel = d.path().join("vmlinux");
+        std::fs::write(&kernel, b"").unwrap();
+        let k = kernel.to_str().unwrap();
+        // PVM cannot boot Linux: auto falls back, explicit microvm is refused.
+        let s = select("auto", "pvm", &cfg(k, &shim)).unwrap();
+        assert_eq!(s.runtime, "namespace");
+        assert!(s.reason.contains("no VMX/SVM"), "{}", s.reason);
+        assert!(select("microvm", "pvm", &cfg(k, &shim)).is_err());
+        // The stand-in runs on any KVM.
+        let s = select("auto", "pvm", &cfg(STANDIN_GUEST, &shim)).unwrap();
+        assert_eq!(s.runtime, "microvm");
+        assert_eq!(s.kvm_kind, "pvm");
+        assert_eq!(
+            select("microvm", "pvm", &cfg(STANDIN_GUEST, &shim))
+                .unwrap()
+                .runtime,
+            "microvm"
+        );
+        // No KVM, or no shim: namespace.
+        assert_eq!(
+            select("auto", "none", &cfg(STANDIN_GUEST, &shim))
+                .unwrap()
+                .runtime,
+            "namespace"
+        );
+        let missing = d.path().join("nope");
+        let s = select("auto", "pvm", &cfg(STANDIN_GUEST, &missing)).unwrap();
+        assert_eq!(s.runtime, "namespace");
+        assert!(s.reason.contains("not found"));
+        // Hardware KVM with a kernel: only once this build boots Linux guests.
+        let s = select("auto", "hardware", &cfg(k, &shim)).unwrap();
+        assert_eq!(
+            s.runtime,
+            if LINUX_GUEST_SUPPORTED {
+                "microvm"
+            } else {
+                "namespace"
+            }
+        );
+        assert_eq!(
+            select("namespace", "hardware", &cfg(k, &shim))
+                .unwrap()
+                .runtime,
+            "namespace"
+        );
+        assert!(select("vm", "hardware", &cfg(k, &shim)).is_err());
+    }
+
+    #[test]
+    fn init_payload_round_trips_and_is_fresh() {
+        let body = InitBody {
+            env_vars: [("A".to_string(), "1".to_string())].into(),
+            access_token: Some("tok".into()),
+            default_user: "user".into(),
+            default_workdir: "/home/user".into(),
+        };
+        let a = InitPayload::fresh(body.clone());
+        let b = InitPayload::fresh(body.clone());
+        assert_ne!(a.entropy, b.entropy);
+        let enc = a.encode().unwrap();
+        assert_eq!(&enc[..4], b"CUBI");
+        assert_eq!(InitPayload::decode(&enc).unwrap(), a);
+        assert!(InitPayload::decode(&enc[..40]).is_err());
+        let big = InitBody {
+            env_vars: [("X".to_string(), "y".repeat(5000))].into(),
+            ..body
+        };
+        assert!(InitPayload::fresh(big).encode().is_err());
+    }
+}

@@ -1,0 +1,190 @@
+//! Persistent tap interfaces for microVM sandboxes, created ahead of time.
+//!
+//! A tap is created persistent (`TUNSETPERSIST`) so that the shim can attach to it by name
+//! (fds are not passed over the shim's socket) and so that it outlives the fd that made it.
+//! Every tap this node made is recorded as a marker file in its own directory, so that after
+//! a crash the node deletes its leftovers and never touches taps of other cubelets on the
+//! same host.
+
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TapError {
+    #[error("tap {name}: {what}: {source}")]
+    Io {
+        name: String,
+        what: &'static str,
+        source: std::io::Error,
+    },
+    #[error("invalid tap name {0:?}")]
+    BadName(String),
+}
+
+/// Prefix of the taps cubelet creates (`cbt` + 12 hex digits = 15 bytes, the kernel's limit).
+pub const PREFIX: &str = "cbt";
+
+fn ifreq(name: &str, flags: i32) -> Result<libc::ifreq, TapError> {
+    if name.is_empty() || name.len() > 15 || !name.bytes().all(|b| b.is_ascii_alphanumeric()) {
+        return Err(TapError::BadName(name.into()));
+    }
+    // SAFETY: ifreq is plain data; zeroed is a valid value.
+    let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (i, b) in name.bytes().enumerate() {
+        ifr.ifr_name[i] = b as libc::c_char;
+    }
+    ifr.ifr_ifru.ifru_flags = flags as libc::c_short;
+    Ok(ifr)
+}
+
+/// Attaches to (creating if needed) tap `name` and sets its persistence.
+fn set_persist(name: &str, persist: bool) -> Result<(), TapError> {
+    let io = |what| {
+        move |e| TapError::Io {
+            name: name.into(),
+            what,
+            source: e,
+        }
+    };
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/net/tun")
+        .map_err(io("open /dev/net/tun"))?;
+    let mut ifr = ifreq(name, libc::IFF_TAP | libc::IFF_NO_PI)?;
+    // SAFETY: TUNSETIFF / TUNSETPERSIST on a tun fd we own, with a valid ifreq / integer.
+    if unsafe { libc::ioctl(f.as_raw_fd(), libc::TUNSETIFF as _, &mut ifr) } < 0 {
+        return Err(io("TUNSETIFF")(std::io::Error::last_os_error()));
+    }
+    if unsafe { libc::ioctl(f.as_raw_fd(), libc::TUNSETPERSIST as _, i32::from(persist)) } < 0 {
+        return Err(io("TUNSETPERSIST")(std::io::Error::last_os_error()));
+    }
+    Ok(())
+}
+
+/// Whether interface `name` exists in this network namespace.
+pub fn exists(name: &str) -> bool {
+    Path::new("/sys/class/net").join(name).exists()
+}
+
+/// The pool. `take` hands out a pre-created tap or creates one now.
+pub struct TapPool {
+    marker_dir: PathBuf,
+    ready: Mutex<Vec<String>>,
+}
+
+impl TapPool {
+    pub fn new(marker_dir: &Path) -> std::io::Result<TapPool> {
+        std::fs::create_dir_all(marker_dir)?;
+        Ok(TapPool {
+            marker_dir: marker_dir.to_path_buf(),
+            ready: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// Creates a new persistent tap and records it.
+    pub fn create(&self) -> Result<String, TapError> {
+        let mut b = [0u8; 6];
+        // SAFETY: getrandom into a local buffer.
+        unsafe { libc::getrandom(b.as_mut_ptr() as *mut libc::c_void, b.len(), 0) };
+        let name = format!("{PREFIX}{}", crate::state::hex(&b));
+        // Marker first: a crash right after creating the tap still finds it.
+        std::fs::write(self.marker_dir.join(&name), b"").map_err(|e| TapError::Io {
+            name: name.clone(),
+            what: "write marker",
+            source: e,
+        })?;
+        if let Err(e) = set_persist(&name, true) {
+            let _ = std::fs::remove_file(self.marker_dir.join(&name));
+            return Err(e);
+        }
+        Ok(name)
+    }
+
+    /// A tap for a sandbox.
+    pub fn take(&self) -> Result<String, TapError> {
+        let pooled = self.ready.lock().ok().and_then(|mut v| v.pop());
+        match pooled {
+            Some(t) => Ok(t),
+            None => self.create(),
+        }
+    }
+
+    pub fn level(&self) -> usize {
+        self.ready.lock().map(|v| v.len()).unwrap_or(0)
+    }
+
+    /// Tops the pool up to `target`.
+    pub fn refill(&self, target: usize) -> Result<(), TapError> {
+        while self.level() < target {
+            let t = self.create()?;
+            if let Ok(mut v) = self.ready.lock() {
+                v.push(t);
+            }
+        }
+        Ok(())
+    }
+
+    /// Deletes tap `name` (idempotent) and its marker.
+    pub fn delete(&self, name: &str) {
+        if exists(name) {
+            if let Err(e) = set_persist(name, false) {
+                tracing::warn!(tap = name, error = %e, "deleting tap");
+            }
+        }
+        let _ = std::fs::remove_file(self.marker_dir.join(name));
+    }
+
+    /// Deletes every tap this node recorded except `keep` (after a restart), and empties the pool.
+    pub fn reap_except(&self, keep: &[String]) {
+        let pooled: Vec<String> = self
+            .ready
+            .lock()
+            .map(|mut v| v.drain(..).collect())
+            .unwrap_or_default();
+        for t in pooled {
+            self.delete(&t);
+        }
+        let Ok(rd) = std::fs::read_dir(&self.marker_dir) else {
+            return;
+        };
+        for e in rd.flatten() {
+            let n = e.file_name().to_string_lossy().to_string();
+            if !keep.contains(&n) {
+                tracing::info!(tap = %n, "deleting leftover tap");
+                self.delete(&n);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_checked() {
+        assert!(ifreq("", 0).is_err());
+        assert!(ifreq("a/b", 0).is_err());
+        assert!(ifreq("0123456789abcdef", 0).is_err());
+        assert!(ifreq("cbt0123456789ab", 0).is_ok());
+    }
+
+    #[test]
+    fn taps_are_created_persistent_and_deleted() {
+        cube_testkit::require_priv!("tap_pool_create_delete");
+        let d = tempfile::tempdir().unwrap();
+        let p = TapPool::new(d.path()).unwrap();
+        p.refill(2).unwrap();
+        assert_eq!(p.level(), 2);
+        let t = p.take().unwrap();
+        assert!(exists(&t), "{t} exists");
+        assert!(d.path().join(&t).exists(), "marker for {t}");
+        // The other pooled tap and `t` are both reaped when nothing keeps them.
+        p.reap_except(&[]);
+        assert!(!exists(&t));
+        assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 0);
+        p.delete(&t); // idempotent
+    }
+}
