@@ -395,6 +395,7 @@ impl ProcessManager {
         // SAFETY: the closure only makes async-signal-safe syscalls on pre-built data.
         unsafe {
             cmd.pre_exec(move || {
+                reset_signal_dispositions();
                 if libc::setsid() < 0 {
                     return Err(std::io::Error::last_os_error());
                 }
@@ -623,4 +624,17 @@ fn open_pty(cols: u16, rows: u16) -> std::io::Result<(OwnedFd, OwnedFd)> {
         libc::fcntl(s.as_raw_fd(), libc::F_SETFD, libc::FD_CLOEXEC);
     }
     Ok((m, s))
+}
+
+/// Restores the default action of every catchable signal in a freshly forked child. Ignored
+/// signals survive exec, so an agent started with SIGINT ignored (e.g. from a non-interactive
+/// shell's `&`) would otherwise hand that on and Ctrl-C would never reach a command.
+/// Only calls `signal`, which is async-signal-safe, so it may run between fork and exec.
+pub(crate) fn reset_signal_dispositions() {
+    for sig in 1..32 {
+        if sig != libc::SIGKILL && sig != libc::SIGSTOP {
+            // SAFETY: setting a default disposition touches no memory of this process.
+            unsafe { libc::signal(sig, libc::SIG_DFL) };
+        }
+    }
 }

@@ -137,6 +137,7 @@ impl Worker {
         // SAFETY: the closure only makes async-signal-safe syscalls on pre-built data.
         unsafe {
             cmd.pre_exec(move || {
+                crate::process::reset_signal_dispositions();
                 // Own session and process group: a restart kills the cell's subprocesses too.
                 if libc::setsid() < 0 {
                     return Err(std::io::Error::last_os_error());
