@@ -103,7 +103,7 @@ agent_binary = "{stripped}"
 xfs_loop_image = "{root}/xfs.img"
 xfs_loop_size_gib = 4
 [sandbox]
-max_sandboxes = {os.environ.get("CUBE_E2E_MAX_SANDBOXES", "16")}
+max_sandboxes = {os.environ.get("CUBE_E2E_MAX_SANDBOXES", "32")}
 tmp_size_mib = 16
 ready_timeout_ms = 15000
 [cgroup]
