@@ -115,8 +115,9 @@ pub fn build(spec: &BuildSpec<'_>, out: &Path) -> Result<cube_hypervisor::Manife
     mask_pic(&vm)?;
     let mut devices = DeviceStates::new();
     let mut states: Vec<(&str, StateFn)> = Vec::new();
-    // The build's vsock socket lives next to the output and is removed with the device.
-    let sock_dir = tempdir_near(out)?;
+    // The build's vsock socket lives in a private scratch dir under the temp dir: template dirs
+    // can be deeper than a unix socket path allows (108 bytes).
+    let sock_dir = scratch_dir()?;
     if let Some(disk) = spec.disk {
         let f = std::fs::File::open(disk)?;
         let irq = IrqLine::new(BLOCK_GSI)?;
@@ -185,7 +186,7 @@ where
         .map_err(|e| BuildError::Device(format!("encode device state: {e}")))
 }
 
-/// A private scratch directory beside `out` (same filesystem, short path for sockets).
+/// A private scratch directory with a short path (for unix sockets).
 struct ScratchDir(std::path::PathBuf);
 
 impl ScratchDir {
@@ -200,12 +201,8 @@ impl Drop for ScratchDir {
     }
 }
 
-fn tempdir_near(out: &Path) -> Result<ScratchDir, BuildError> {
-    let parent = out
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let d = parent.join(format!(".build-{}-{}", std::process::id(), nanos()));
+fn scratch_dir() -> Result<ScratchDir, BuildError> {
+    let d = std::env::temp_dir().join(format!("cube-shim-{}-{}", std::process::id(), nanos()));
     std::fs::create_dir_all(&d)?;
     Ok(ScratchDir(d))
 }
