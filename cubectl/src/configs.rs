@@ -4,15 +4,6 @@
 use crate::layout::Layout;
 use std::path::Path;
 
-/// Keys a daemon may not know yet (an older build): `up` drops such a key and starts again when
-/// the daemon rejects it as unknown.
-pub fn optional_keys(daemon: &str) -> &'static [&'static str] {
-    match daemon {
-        "cube-master" | "cube-api" => &["metrics_addr"],
-        _ => &[],
-    }
-}
-
 fn q(p: &Path) -> String {
     // TOML basic string: escape backslash and quote.
     format!(
@@ -113,13 +104,6 @@ pub fn edit_key(path: &Path, key: &str, value: Option<toml::Value>) -> anyhow::R
         .map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))
 }
 
-/// The unknown key a daemon's config parser complained about, from its log.
-pub fn unknown_key(log: &str) -> Option<String> {
-    let i = log.find("unknown field `")? + "unknown field `".len();
-    let rest = &log[i..];
-    Some(rest[..rest.find('`')?].to_string())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -162,7 +146,7 @@ mod tests {
     }
 
     #[test]
-    fn edits_and_unknown_keys() {
+    fn edits_keys() {
         let p = std::env::temp_dir().join(format!("cubectl-cfg-{}.toml", std::process::id()));
         std::fs::write(&p, "# head\na = 1\nmetrics_addr = \"x\"\n[t]\nb = 2\n").unwrap();
         edit_key(&p, "metrics_addr", None).unwrap();
@@ -174,10 +158,5 @@ mod tests {
         assert_eq!(t["runtime"].as_str(), Some("namespace"));
         assert_eq!(t["t"]["b"].as_integer(), Some(2));
         std::fs::remove_file(&p).unwrap();
-        assert_eq!(
-            unknown_key("Error: parsing /x: unknown field `metrics_addr`, expected one of `a`"),
-            Some("metrics_addr".into())
-        );
-        assert_eq!(unknown_key("all fine"), None);
     }
 }

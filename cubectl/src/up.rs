@@ -206,18 +206,6 @@ async fn ready(l: &Layout, d: Daemon) -> bool {
     }
 }
 
-/// Values of the keys in [`configs::optional_keys`].
-fn optional_values(l: &Layout, d: Daemon) -> Vec<(&'static str, String)> {
-    match d {
-        Daemon::Master => vec![(
-            "metrics_addr",
-            format!("127.0.0.1:{}", l.ports.master_metrics),
-        )],
-        Daemon::Api => vec![("metrics_addr", format!("127.0.0.1:{}", l.ports.api_metrics))],
-        Daemon::Cubelet => vec![],
-    }
-}
-
 enum StartFailure {
     Exited(String),
     Timeout,
@@ -249,8 +237,7 @@ fn last_lines(s: &str, n: usize) -> String {
     v[v.len().saturating_sub(n)..].join(" | ")
 }
 
-/// Starts one daemon unless it runs already, retrying once per config key an older daemon build
-/// does not know (and with the namespace runtime when this cubelet has no `auto`).
+/// Starts one daemon unless it runs already.
 async fn ensure_daemon(
     l: &Layout,
     d: Daemon,
@@ -291,65 +278,34 @@ async fn ensure_daemon(
         }
     }
     let bin = daemons::find_binary(d.name())?;
-    let cfg = l.config_path(d.name());
-    // Optional keys dropped for an older daemon build are put back at every start: the current
-    // build may know them (and its default port would clash with another install's).
-    for (k, v) in optional_values(l, d) {
-        let text =
-            std::fs::read_to_string(&cfg).with_context(|| format!("reading {}", cfg.display()))?;
-        let t: toml::Table =
-            toml::from_str(&text).with_context(|| format!("parsing {}", cfg.display()))?;
-        if t.get(k).is_none() {
-            configs::edit_key(&cfg, k, Some(v.into()))?;
+    let mut s = daemons::start(l, d, &bin, detach)?;
+    match wait_ready(l, d, &mut s, wait).await {
+        Ok(()) => {
+            note(&format!("{} running (pid {})", d.name(), s.pid()));
+            Ok(Some(s))
+        }
+        Err(StartFailure::Timeout) => {
+            daemons::stop(s.pid(), Duration::from_secs(10));
+            let _ = std::fs::remove_file(l.pid_path(d.name()));
+            anyhow::bail!(
+                "{} did not become ready in {}s: {} (log: {})",
+                d.name(),
+                wait.as_secs(),
+                last_lines(&s.log_tail(4000), 3),
+                s.log.display()
+            );
+        }
+        Err(StartFailure::Exited(how)) => {
+            let _ = std::fs::remove_file(l.pid_path(d.name()));
+            let log = s.log_tail(8000);
+            anyhow::bail!(
+                "{} {how}: {} (log: {})",
+                d.name(),
+                last_lines(&log, 3),
+                s.log.display()
+            );
         }
     }
-    for _attempt in 0..4 {
-        let mut s = daemons::start(l, d, &bin, detach)?;
-        match wait_ready(l, d, &mut s, wait).await {
-            Ok(()) => {
-                note(&format!("{} running (pid {})", d.name(), s.pid()));
-                return Ok(Some(s));
-            }
-            Err(StartFailure::Timeout) => {
-                daemons::stop(s.pid(), Duration::from_secs(10));
-                let _ = std::fs::remove_file(l.pid_path(d.name()));
-                anyhow::bail!(
-                    "{} did not become ready in {}s: {} (log: {})",
-                    d.name(),
-                    wait.as_secs(),
-                    last_lines(&s.log_tail(4000), 3),
-                    s.log.display()
-                );
-            }
-            Err(StartFailure::Exited(how)) => {
-                let _ = std::fs::remove_file(l.pid_path(d.name()));
-                let log = s.log_tail(8000);
-                if let Some(k) = configs::unknown_key(&log) {
-                    if configs::optional_keys(d.name()).contains(&k.as_str()) {
-                        note(&format!(
-                            "this {} does not know `{k}`: removed from {}",
-                            d.name(),
-                            cfg.display()
-                        ));
-                        configs::edit_key(&cfg, &k, None)?;
-                        continue;
-                    }
-                }
-                if d == Daemon::Cubelet && log.contains("runtime \"auto\"") {
-                    note("this cubelet has no `auto` runtime yet: using `namespace`");
-                    configs::edit_key(&cfg, "runtime", Some("namespace".into()))?;
-                    continue;
-                }
-                anyhow::bail!(
-                    "{} {how}: {} (log: {})",
-                    d.name(),
-                    last_lines(&log, 3),
-                    s.log.display()
-                );
-            }
-        }
-    }
-    anyhow::bail!("{} did not start; see {}", d.name(), cfg.display())
 }
 
 /// This install's node as the master sees it, once `pred` holds.

@@ -189,7 +189,10 @@ impl Node {
     /// Prepares directories, detects cgroups and storage, opens netlink, recovers state.
     pub async fn start(cfg: Config, hook: Arc<dyn NetworkHook>) -> anyhow::Result<Arc<Node>> {
         use anyhow::Context;
-        if cfg.runtime != runtime::RUNTIME_NAME {
+        // `auto` means microvm where this node can run it; this build has only `namespace`.
+        if cfg.runtime == "auto" {
+            tracing::info!("runtime \"auto\": using \"namespace\" (this cubelet is built without the microvm runtime)");
+        } else if cfg.runtime != runtime::RUNTIME_NAME {
             anyhow::bail!(
                 "runtime {:?} is not available on this node (only \"namespace\" is implemented)",
                 cfg.runtime
