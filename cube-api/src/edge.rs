@@ -124,6 +124,9 @@ pub struct Edge {
 pub async fn serve(listener: TcpListener, edge: Edge) -> std::io::Result<()> {
     loop {
         let (stream, peer) = listener.accept().await?;
+        // envd streams small frames (process output, keepalives): without this, Nagle holds
+        // each one until the client's delayed ACK (~40 ms).
+        let _ = stream.set_nodelay(true);
         let edge = edge.clone();
         tokio::spawn(async move {
             let svc = hyper::service::service_fn(move |req| {

@@ -62,7 +62,7 @@ async fn main() -> anyhow::Result<()> {
         tracing::warn!(error = %e, "sd_notify READY failed");
     }
     tokio::select! {
-        r = axum::serve(api, app) => r.context("api server")?,
+        r = axum::serve(api, app).tcp_nodelay(true) => r.context("api server")?,
         r = edge_task => r.context("edge task")?.context("edge server")?,
         r = metrics_task => r.context("metrics task")?.context("metrics server")?,
         _ = shutdown() => tracing::info!("shutting down"),

@@ -1,11 +1,19 @@
 //! The host route `host_addr/32 dev <interface>` that sends a sandbox's traffic to its port,
-//! programmed over rtnetlink.
+//! and the permanent neighbour entry beside it, programmed over rtnetlink.
+//!
+//! The neighbour entry matters at scale: the kernel's ARP table is shared by every network
+//! namespace and overflows at `gc_thresh3` (1,024 by default) *dynamic* entries, after which
+//! new sandboxes are unreachable ("neighbor table overflow"). Permanent entries are not
+//! counted, and the guest's MAC is known, so there is nothing to resolve anyway.
 
 use std::net::Ipv4Addr;
 
 use netlink_packet_core::{
     NetlinkHeader, NetlinkMessage, NetlinkPayload, NLM_F_ACK, NLM_F_CREATE, NLM_F_REPLACE,
     NLM_F_REQUEST,
+};
+use netlink_packet_route::neighbour::{
+    NeighbourAddress, NeighbourAttribute, NeighbourMessage, NeighbourState,
 };
 use netlink_packet_route::route::{
     RouteAddress, RouteAttribute, RouteHeader, RouteMessage, RouteProtocol, RouteScope, RouteType,
@@ -85,6 +93,39 @@ pub(crate) fn del_host_route(addr: Ipv4Addr, ifindex: u32) -> Result<()> {
         Err(Error::Netlink(m)) if m.contains("No such process") || m.contains("not found") => {
             Ok(())
         }
+        r => r,
+    }
+}
+
+fn neigh_message(addr: Ipv4Addr, ifindex: u32, mac: [u8; 6]) -> NeighbourMessage {
+    let mut m = NeighbourMessage::default();
+    m.header.family = AddressFamily::Inet;
+    m.header.ifindex = ifindex;
+    m.header.state = NeighbourState::Permanent;
+    m.attributes
+        .push(NeighbourAttribute::Destination(NeighbourAddress::Inet(
+            addr,
+        )));
+    m.attributes
+        .push(NeighbourAttribute::LinkLocalAddress(mac.to_vec()));
+    m
+}
+
+/// Adds (or replaces) the permanent neighbour `addr lladdr mac dev ifindex`.
+pub(crate) fn add_host_neigh(addr: Ipv4Addr, ifindex: u32, mac: [u8; 6]) -> Result<()> {
+    request(
+        RouteNetlinkMessage::NewNeighbour(neigh_message(addr, ifindex, mac)),
+        NLM_F_CREATE | NLM_F_REPLACE,
+    )
+}
+
+/// Removes the neighbour entry of `addr` on `ifindex`; one already gone is not an error.
+pub(crate) fn del_host_neigh(addr: Ipv4Addr, ifindex: u32) -> Result<()> {
+    match request(
+        RouteNetlinkMessage::DelNeighbour(neigh_message(addr, ifindex, [0; 6])),
+        0,
+    ) {
+        Err(Error::Netlink(m)) if m.contains("No such file") || m.contains("not found") => Ok(()),
         r => r,
     }
 }

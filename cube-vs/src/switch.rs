@@ -536,6 +536,7 @@ impl Switch {
             .insert(port.ifindex, StatsVal::default(), 0)
             .map_err(map_err(MAP_STATS))?;
         route::add_host_route(addr, port.ifindex)?;
+        route::add_host_neigh(addr, port.ifindex, self.cfg.guest.guest_mac.0)?;
         let val = PortVal {
             host_ip: ip_be(addr),
             resolver: net.policy.dns_resolver.map(ip_be).unwrap_or(0),
@@ -701,6 +702,7 @@ impl Switch {
         self.by_addr.remove(&addr);
         if ifname_of(port.ifindex).is_some() {
             route::del_host_route(addr, port.ifindex)?;
+            route::del_host_neigh(addr, port.ifindex)?;
         }
         self.clear_policy(port.ifindex)?;
         self.write_exposed(port.ifindex, &[])?;
