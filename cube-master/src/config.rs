@@ -20,6 +20,9 @@ pub struct MasterConfig {
     pub reaper_interval_ms: u64,
     /// Longest allowed sandbox timeout, in seconds.
     pub max_timeout_s: u64,
+    /// How long rows of killed sandboxes are kept (for `cubectl sandbox get` and audits)
+    /// before the reaper deletes them; 0 keeps them forever.
+    pub killed_retention_s: u64,
     /// Shape of new sandboxes.
     pub default_vcpus: u32,
     pub default_memory_mib: u64,
@@ -51,6 +54,7 @@ impl Default for MasterConfig {
             node_max_misses: 3,
             reaper_interval_ms: 1000,
             max_timeout_s: 24 * 3600,
+            killed_retention_s: 3600,
             default_vcpus: 2,
             default_memory_mib: 512,
             create_timeout_ms: 60_000,

@@ -17,6 +17,18 @@ use std::str::FromStr;
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
+/// What [`Db::page_sandboxes`] selects. Empty strings filter nothing; `limit` 0 = all.
+#[derive(Debug, Default)]
+pub struct PageQuery<'a> {
+    pub states: &'a [SandboxState],
+    pub team_id: &'a str,
+    pub template: &'a str,
+    /// Rows strictly after this (started_at_ms, id) in the chosen order.
+    pub cursor: Option<(i64, String)>,
+    pub ascending: bool,
+    pub limit: usize,
+}
+
 /// One sandbox row.
 #[derive(Debug, Clone, FromRow)]
 pub struct SandboxRow {
@@ -242,14 +254,76 @@ impl Db {
         &self,
         states: &[SandboxState],
     ) -> Result<Vec<SandboxRow>, MasterError> {
-        let rows =
-            sqlx::query_as::<_, SandboxRow>("SELECT * FROM sandboxes ORDER BY started_at_ms, id")
-                .fetch_all(&self.pool)
-                .await?;
-        Ok(rows
-            .into_iter()
-            .filter(|r| r.state().map(|s| states.contains(&s)).unwrap_or(false))
-            .collect())
+        self.page_sandboxes(&PageQuery {
+            states,
+            ascending: true,
+            ..PageQuery::default()
+        })
+        .await
+    }
+
+    /// One page of sandboxes filtered, ordered and cut in SQL (the `sandboxes_state` index),
+    /// so a list costs the page, not every sandbox ever created.
+    pub async fn page_sandboxes(&self, q: &PageQuery<'_>) -> Result<Vec<SandboxRow>, MasterError> {
+        if q.states.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut n = 0;
+        let mut next = || {
+            n += 1;
+            format!("${n}")
+        };
+        let marks: Vec<String> = q.states.iter().map(|_| next()).collect();
+        let mut sql = format!(
+            "SELECT * FROM sandboxes WHERE state IN ({})",
+            marks.join(", ")
+        );
+        if !q.team_id.is_empty() {
+            sql += &format!(" AND team_id = {}", next());
+        }
+        if !q.template.is_empty() {
+            sql += &format!(" AND template = {}", next());
+        }
+        let (cmp, order) = if q.ascending {
+            (">", "ASC")
+        } else {
+            ("<", "DESC")
+        };
+        if q.cursor.is_some() {
+            // Spelled out rather than a row-value comparison, which not every SQLite has.
+            let (a, b, c) = (next(), next(), next());
+            sql += &format!(
+                " AND (started_at_ms {cmp} {a} OR (started_at_ms = {b} AND id {cmp} {c}))"
+            );
+        }
+        sql += &format!(" ORDER BY started_at_ms {order}, id {order}");
+        if q.limit > 0 {
+            sql += &format!(" LIMIT {}", q.limit);
+        }
+        let mut query = sqlx::query_as::<_, SandboxRow>(&sql);
+        for s in q.states {
+            query = query.bind(s.as_str());
+        }
+        if !q.team_id.is_empty() {
+            query = query.bind(q.team_id);
+        }
+        if !q.template.is_empty() {
+            query = query.bind(q.template);
+        }
+        if let Some((ms, id)) = &q.cursor {
+            query = query.bind(*ms).bind(*ms).bind(id.as_str());
+        }
+        Ok(query.fetch_all(&self.pool).await?)
+    }
+
+    /// Deletes rows of sandboxes killed before `before_ms`; returns how many.
+    pub async fn purge_killed(&self, before_ms: i64) -> Result<u64, MasterError> {
+        let r = sqlx::query("DELETE FROM sandboxes WHERE state = $1 AND updated_at_ms < $2")
+            .bind(SandboxState::Killed.as_str())
+            .bind(before_ms)
+            .execute(&self.pool)
+            .await?;
+        Ok(r.rows_affected())
     }
 
     /// Moves a sandbox `from → to` only if it is still in `from`. Returns whether it moved.

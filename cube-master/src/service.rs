@@ -3,7 +3,7 @@
 //! concurrent calls serialise and see each other's result (idempotent kill, 409 on pause).
 
 use crate::config::MasterConfig;
-use crate::db::{encode_map, Db, SandboxRow};
+use crate::db::{encode_map, Db, PageQuery, SandboxRow};
 use crate::error::MasterError;
 use crate::nodes::{Node, Nodes};
 use crate::scheduler::NoFit;
@@ -587,31 +587,38 @@ impl Controller {
                 .ok_or_else(|| MasterError::InvalidArgument("invalid next token".into()))?;
             Some((ms, id))
         };
-        let mut rows: Vec<SandboxRow> = self
-            .db
-            .list_in_states(&states)
-            .await?
-            .into_iter()
-            .filter(|r| p.team_id.is_empty() || r.team_id == p.team_id)
-            .filter(|r| p.template.is_empty() || r.template == p.template)
-            .filter(|r| {
+        // Metadata is filtered here (it is an encoded list, not columns): fetch pages until
+        // one more match than the limit shows there is a next page.
+        let batch = if p.metadata.is_empty() {
+            limit + 1
+        } else {
+            (limit + 1).max(256)
+        };
+        let mut rows: Vec<SandboxRow> = Vec::new();
+        let mut after = cursor;
+        loop {
+            let got = self
+                .db
+                .page_sandboxes(&PageQuery {
+                    states: &states,
+                    team_id: &p.team_id,
+                    template: &p.template,
+                    cursor: after.clone(),
+                    ascending: p.ascending,
+                    limit: batch,
+                })
+                .await?;
+            let full = got.len() == batch;
+            if let Some(last) = got.last() {
+                after = Some((last.started_at_ms, last.id.clone()));
+            }
+            rows.extend(got.into_iter().filter(|r| {
                 let m = r.metadata_map();
                 p.metadata.iter().all(|(k, v)| m.get(k) == Some(v))
-            })
-            .collect();
-        if !p.ascending {
-            rows.reverse();
-        }
-        if let Some((ms, id)) = cursor {
-            let key = (ms, id);
-            rows.retain(|r| {
-                let k = (r.started_at_ms, r.id.clone());
-                if p.ascending {
-                    k > key
-                } else {
-                    k < key
-                }
-            });
+            }));
+            if rows.len() > limit || !full {
+                break;
+            }
         }
         let more = rows.len() > limit;
         rows.truncate(limit);
@@ -638,6 +645,15 @@ impl Controller {
                 Ok(true) => n += 1,
                 Ok(false) => {}
                 Err(e) => tracing::warn!(sandbox = %id, error = %e, "reaper kill failed"),
+            }
+        }
+        if self.cfg.killed_retention_s > 0 {
+            let before = crate::now_ms().saturating_sub(
+                i64::try_from(self.cfg.killed_retention_s * 1000).unwrap_or(i64::MAX),
+            );
+            let purged = self.db.purge_killed(before).await?;
+            if purged > 0 {
+                tracing::debug!(purged, "deleted rows of long-killed sandboxes");
             }
         }
         Ok(n)

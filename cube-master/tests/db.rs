@@ -5,7 +5,7 @@
 mod common;
 
 use cube_master::apikey;
-use cube_master::db::{Db, SandboxRow};
+use cube_master::db::{Db, PageQuery, SandboxRow};
 use cube_master::node_store::{NodeRow, TokenRefusal};
 use cube_master::state::SandboxState;
 use cube_master::MasterError;
@@ -82,6 +82,84 @@ async fn list_in_states_orders_and_filters(url: String) {
     assert_eq!(ids, ["b", "c"]);
 }
 both_backends!(list_in_states, super::list_in_states_orders_and_filters);
+
+async fn pages_filter_in_sql_and_killed_rows_are_purged(url: String) {
+    let db = Db::open(&url).await.unwrap();
+    // s0..s9 started at 10..19 (two share a start time, so the id breaks the tie); odd ones
+    // belong to team u, s8 and s9 use another template, s0 and s1 get killed.
+    for i in 0..10 {
+        let mut r = row(&format!("s{i}"));
+        r.started_at_ms = 10 + i64::from(i) - i64::from(i == 5);
+        r.team_id = if i % 2 == 1 { "u".into() } else { "t".into() };
+        if i >= 8 {
+            r.template = "other".into();
+        }
+        db.insert_sandbox(&r).await.unwrap();
+        db.transition(&r.id, SandboxState::Creating, SandboxState::Running, "")
+            .await
+            .unwrap();
+    }
+    for id in ["s0", "s1"] {
+        db.transition(id, SandboxState::Running, SandboxState::Killing, "")
+            .await
+            .unwrap();
+        db.transition(id, SandboxState::Killing, SandboxState::Killed, "")
+            .await
+            .unwrap();
+    }
+    let running = [SandboxState::Running];
+    let ids = |v: Vec<SandboxRow>| v.into_iter().map(|r| r.id).collect::<Vec<_>>();
+    // Newest first, five at a time (the first page ends between the two rows started at
+    // 14), each page after the previous page's last row.
+    let mut seen = vec![];
+    let mut cursor = None;
+    loop {
+        let page = db
+            .page_sandboxes(&PageQuery {
+                states: &running,
+                cursor: cursor.clone(),
+                limit: 5,
+                ..PageQuery::default()
+            })
+            .await
+            .unwrap();
+        if page.is_empty() {
+            break;
+        }
+        cursor = page.last().map(|r| (r.started_at_ms, r.id.clone()));
+        seen.extend(ids(page));
+    }
+    assert_eq!(seen, ["s9", "s8", "s7", "s6", "s5", "s4", "s3", "s2"]);
+    let team_u = db
+        .page_sandboxes(&PageQuery {
+            states: &running,
+            team_id: "u",
+            ascending: true,
+            ..PageQuery::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(ids(team_u), ["s3", "s5", "s7", "s9"]);
+    let other = db
+        .page_sandboxes(&PageQuery {
+            states: &running,
+            template: "other",
+            ..PageQuery::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(ids(other), ["s9", "s8"]);
+    // Only killed rows older than the cut-off go.
+    let now = cube_master::now_ms();
+    assert_eq!(db.purge_killed(now - 3_600_000).await.unwrap(), 0);
+    assert_eq!(db.purge_killed(now + 1).await.unwrap(), 2);
+    assert!(db.get_sandbox("s0").await.unwrap().is_none());
+    assert!(db.get_sandbox("s2").await.unwrap().is_some());
+}
+both_backends!(
+    paging,
+    super::pages_filter_in_sql_and_killed_rows_are_purged
+);
 
 async fn api_keys(url: String) {
     let db = Db::open(&url).await.unwrap();
