@@ -188,18 +188,16 @@ pub fn tag(data_dir: &Path) -> String {
     format!("{:08x}", (h ^ (h >> 32)) as u32)
 }
 
-/// Host address pool for a non-default install: a /24 in 10.234.0.0–10.237.255.0 picked from the
-/// data directory's tag, skipping /24s the host already routes (another install's sandboxes).
+/// Host address pool for a non-default install: a /20 (4,094 sandboxes, so a bench can hold
+/// 1,000) in 10.234.0.0–10.237.255.255 picked from the data directory's tag, skipping /20s the
+/// host already routes (another install's sandboxes).
 pub fn host_pool(tag: &str, in_use: &dyn Fn(&str) -> bool) -> String {
-    let start = u32::from_str_radix(tag, 16).unwrap_or(0) % 1024;
-    for i in 0..1024 {
-        let idx = (start + i) % 1024;
-        let pool = format!("10.{}.{}.0/24", 234 + idx / 256, idx % 256);
-        if !in_use(&pool) {
-            return pool;
-        }
-    }
-    format!("10.{}.{}.0/24", 234 + start / 256, start % 256)
+    let pool = |idx: u32| format!("10.{}.{}.0/20", 234 + idx / 16, (idx % 16) * 16);
+    let start = u32::from_str_radix(tag, 16).unwrap_or(0) % 64;
+    (0..64)
+        .map(|i| pool((start + i) % 64))
+        .find(|p| !in_use(p))
+        .unwrap_or_else(|| pool(start))
 }
 
 /// Whether a TCP port can be bound on 127.0.0.1 right now.
@@ -342,7 +340,7 @@ mod tests {
         assert_eq!(t.len(), 8);
         let first = host_pool(&t, &|_| false);
         assert!(
-            first.starts_with("10.23") && first.ends_with(".0/24"),
+            first.starts_with("10.23") && first.ends_with(".0/20"),
             "{first}"
         );
         let f2 = first.clone();

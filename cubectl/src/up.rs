@@ -62,7 +62,7 @@ pub struct UpArgs {
     pub xfs_size_gib: u64,
     /// Sandboxes of `base` kept started for fast creation (written into cubelet.toml at the
     /// first `up`).
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 8)]
     pub pool: u32,
     /// Seconds to wait for each daemon to become ready.
     #[arg(long, default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..))]

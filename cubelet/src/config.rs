@@ -152,6 +152,10 @@ pub struct CgroupConfig {
 pub struct PoolConfig {
     /// Pre-created network endpoints (veth + netns).
     pub network: u32,
+    /// Endpoints of killed sandboxes kept for reuse (unbound, emptied) up to this many.
+    /// Deleting a network namespace holds the kernel's rtnl lock for tens of milliseconds,
+    /// which stalls every create that is adding a veth at the time.
+    pub network_recycle: u32,
     /// Pre-cloned disks per template in `started`/`disks`.
     pub disks: u32,
     /// Pre-started sandboxes waiting for /init, per template name.
@@ -160,6 +164,12 @@ pub struct PoolConfig {
     pub disk_templates: Vec<String>,
     /// How often the refiller checks levels, in milliseconds.
     pub refill_interval_ms: u64,
+    /// Pre-started sandboxes started at once while refilling (0 = one per CPU, at most 4):
+    /// one at a time cannot keep up with creates that each take a pooled sandbox.
+    pub refill_parallelism: u32,
+    /// When the pool is empty, how long a create waits for a pre-start under way before
+    /// starting a sandbox itself, in milliseconds.
+    pub claim_wait_ms: u64,
 }
 
 impl Default for Config {
@@ -230,10 +240,13 @@ impl Default for PoolConfig {
     fn default() -> Self {
         PoolConfig {
             network: 8,
+            network_recycle: 64,
             disks: 4,
             started: BTreeMap::new(),
             disk_templates: vec![],
             refill_interval_ms: 200,
+            refill_parallelism: 0,
+            claim_wait_ms: 2000,
         }
     }
 }

@@ -441,7 +441,7 @@ impl pb::node_server::Node for NodeService {
         _req: Request<pb::NodeStatusRequest>,
     ) -> Result<Response<pb::NodeStatusResponse>, Status> {
         let n = &self.node;
-        let list = n.list().await;
+        let list = n.list_settled();
         let alloc = pb::Capacity {
             vcpus: list.iter().map(|s| s.shape.vcpus).sum(),
             memory_mib: list.iter().map(|s| s.shape.memory_mib).sum(),

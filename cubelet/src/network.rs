@@ -109,6 +109,11 @@ pub trait NetworkHook: Send + Sync + 'static {
     }
     /// Before the veth is deleted (unbind, detach, release the host address).
     fn endpoint_released(&self, _ep: &Endpoint) {}
+    /// When a killed sandbox's endpoint goes back to the pool instead of being deleted:
+    /// unbind it (release the host address, drop its rules and flows) but keep it attached.
+    fn endpoint_recycled(&self, _ep: &Endpoint) -> Result<(), String> {
+        Ok(())
+    }
     /// After crash recovery, with the endpoints of the re-adopted sandboxes (and the host
     /// address and policy each had on record): keep those bound with the same addresses,
     /// release everything else the switch still holds. Returns the host address of each live
@@ -313,6 +318,16 @@ impl Network {
             .execute()
             .await
             .map_err(nl("default route"))?;
+        // The gateway's MAC is fixed: a permanent entry saves the first ARP round trip and is
+        // not counted against the kernel's ARP table limit, which every namespace shares.
+        nsh.neighbours()
+            .add(gidx, IpAddr::V4(id.gateway_ip))
+            .link_local_address(&id.gateway_mac)
+            .state(netlink_packet_route::neighbour::NeighbourState::Permanent)
+            .replace()
+            .execute()
+            .await
+            .map_err(nl("gateway neighbour"))?;
         drop(nsh);
         // Host side: the gateway MAC, and no address when a switch isolates sandboxes: the
         // switch answers ARP for the gateway and routes the sandbox's own host address to this

@@ -123,6 +123,10 @@ struct Pools {
     disks: Mutex<HashMap<(String, String), Vec<PathBuf>>>,
     /// template → pre-started sandboxes (phase Pooled).
     started: Mutex<HashMap<String, Vec<SandboxState>>>,
+    /// template → (pre-starts under way, creates waiting for one of them).
+    starting: Mutex<HashMap<String, (usize, usize)>>,
+    /// Signalled whenever a pre-start ends (pooled or failed).
+    started_done: tokio::sync::Notify,
     wake: tokio::sync::Notify,
 }
 
@@ -245,7 +249,13 @@ impl Node {
         agent_args.extend(cfg.sandbox.agent_args.iter().cloned());
         let launch = LaunchSettings {
             self_exe: std::env::current_exe().context("locating own executable")?,
-            agent_path: "/sbin/cube-agent".into(),
+            // The node's agent, bind-mounted on the sandbox's /run (shared page cache).
+            agent_path: "/run/cube-agent".into(),
+            agent_host: Some(
+                cfg.agent_binary
+                    .canonicalize()
+                    .with_context(|| format!("agent binary {}", cfg.agent_binary.display()))?,
+            ),
             agent_args,
             hostname: cfg.sandbox.hostname.clone(),
             seccomp: cfg.sandbox.seccomp,
@@ -396,19 +406,55 @@ impl Node {
     async fn destroy(&self, dirname: &str, st: &SandboxState) {
         let (cg, key, pid, start) = (self.cg.clone(), st.key.clone(), st.pid, st.pid_start);
         let r = tokio::task::spawn_blocking(move || runtime::kill(&cg, &key, pid, start)).await;
-        match r {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => tracing::error!(id = %st.id, error = %e, "killing sandbox"),
-            Err(e) => tracing::error!(id = %st.id, error = %e, "kill task"),
-        }
+        let killed = match r {
+            Ok(Ok(())) => true,
+            Ok(Err(e)) => {
+                tracing::error!(id = %st.id, error = %e, "killing sandbox");
+                false
+            }
+            Err(e) => {
+                tracing::error!(id = %st.id, error = %e, "kill task");
+                false
+            }
+        };
         if let Some(ep) = &st.endpoint {
-            self.net.destroy(ep).await;
+            // A sandbox that ran has a fully wired endpoint, and with every process of it gone
+            // nothing holds the namespace: reuse it rather than pay for deleting and creating.
+            let reusable = killed && st.phase != Phase::Creating && ep.host_ifindex != 0;
+            if !(reusable && self.recycle_endpoint(ep)) {
+                self.net.destroy(ep).await;
+            }
         }
         let dir = self.paths_for(dirname).dir;
         if let Err(e) = std::fs::remove_dir_all(&dir) {
             if e.kind() != std::io::ErrorKind::NotFound {
                 tracing::error!(dir = %dir.display(), error = %e, "removing sandbox directory");
             }
+        }
+    }
+
+    /// Puts a dead sandbox's endpoint back in the network pool when there is room.
+    fn recycle_endpoint(&self, ep: &Endpoint) -> bool {
+        let cap = self.cfg.pools.network.max(self.cfg.pools.network_recycle) as usize;
+        if self
+            .pools
+            .net
+            .lock()
+            .map(|v| v.len() >= cap)
+            .unwrap_or(true)
+        {
+            return false;
+        }
+        if let Err(e) = self.net.hook().endpoint_recycled(ep) {
+            tracing::warn!(host_if = %ep.host_if, error = %e, "endpoint not reusable; deleting it");
+            return false;
+        }
+        match self.pools.net.lock() {
+            Ok(mut v) => {
+                v.push(ep.clone());
+                true
+            }
+            Err(_) => false,
         }
     }
 
@@ -635,7 +681,7 @@ impl Node {
                 .bytes
                 .div_ceil(1 << 20)
         {
-            self.take_started(&st.template, &st.build)
+            self.claim_started(&st.template, &st.build).await
         } else {
             None
         };
@@ -931,6 +977,62 @@ impl Node {
             .map_err(|e| NodeError::Internal(format!("network endpoint: {e}")))
     }
 
+    /// A pre-started sandbox: one from the pool, else the next one of the pre-starts under
+    /// way (most of its work is done, and starting another from scratch would compete with
+    /// them for the CPU), else None when none is coming.
+    async fn claim_started(&self, template: &str, build: &str) -> Option<SandboxState> {
+        if let Some(p) = self.take_started(template, build) {
+            return Some(p);
+        }
+        // Wait only while there are more pre-starts under way than creates already waiting
+        // for them: with more creates than that, a cold start is sooner than the queue.
+        let reserved = self
+            .pools
+            .starting
+            .lock()
+            .map(|mut m| {
+                let (coming, waiting) = m.entry(template.to_string()).or_default();
+                if *coming > *waiting {
+                    *waiting += 1;
+                    true
+                } else {
+                    false
+                }
+            })
+            .unwrap_or(false);
+        if !reserved {
+            return None;
+        }
+        let deadline = Instant::now() + Duration::from_millis(self.cfg.pools.claim_wait_ms);
+        let got = loop {
+            let done = self.pools.started_done.notified();
+            tokio::pin!(done);
+            done.as_mut().enable();
+            if let Some(p) = self.take_started(template, build) {
+                break Some(p);
+            }
+            let coming = self
+                .pools
+                .starting
+                .lock()
+                .map(|m| m.get(template).map(|c| c.0).unwrap_or(0))
+                .unwrap_or(0);
+            if coming == 0
+                || tokio::time::timeout_at(deadline.into(), done)
+                    .await
+                    .is_err()
+            {
+                break None;
+            }
+        };
+        if let Ok(mut m) = self.pools.starting.lock() {
+            if let Some(c) = m.get_mut(template) {
+                c.1 = c.1.saturating_sub(1);
+            }
+        }
+        got
+    }
+
     fn take_started(&self, template: &str, build: &str) -> Option<SandboxState> {
         let mut s = self.pools.started.lock().ok()?;
         let v = s.get_mut(template)?;
@@ -1039,6 +1141,18 @@ impl Node {
         }
         out.sort_by(|a, b| a.id.cmp(&b.id));
         out
+    }
+
+    /// The sandboxes not in the middle of an operation, without waiting for any: a create
+    /// holds its sandbox for up to the ready timeout, and NodeStatus (the master's liveness
+    /// probe) must not queue behind it and make a busy node look dead.
+    pub fn list_settled(&self) -> Vec<SandboxState> {
+        self.registry
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .filter_map(|e| e.try_lock().ok().map(|g| g.clone()))
+            .collect()
     }
 
     /// SnapshotSandbox: filesystem only on this runtime. The sandbox is frozen while its
@@ -1267,27 +1381,54 @@ impl Node {
             for p in stale {
                 self.destroy(&format!("pool-{}", p.key), &p).await;
             }
-            while self
-                .pools
-                .started
-                .lock()
-                .map(|s| s.get(&t).map(|v| v.len()).unwrap_or(0))
-                .unwrap_or(usize::MAX)
-                < n as usize
-            {
-                if *self.shutdown.borrow() {
-                    return;
+            let par = match self.cfg.pools.refill_parallelism {
+                0 => std::thread::available_parallelism()
+                    .map(|n| n.get())
+                    .unwrap_or(1)
+                    .min(4),
+                n => n as usize,
+            };
+            loop {
+                let have = self
+                    .pools
+                    .started
+                    .lock()
+                    .map(|s| s.get(&t).map(|v| v.len()).unwrap_or(0))
+                    .unwrap_or(usize::MAX);
+                let want = (n as usize).saturating_sub(have).min(par);
+                if want == 0 || *self.shutdown.borrow() {
+                    break;
                 }
-                match self.prestart(&t, &m.build, &rootfs, m.rootfs.bytes).await {
-                    Ok(p) => {
-                        if let Ok(mut s) = self.pools.started.lock() {
-                            s.entry(t.clone()).or_default().push(p)
+                if let Ok(mut m) = self.pools.starting.lock() {
+                    m.entry(t.clone()).or_default().0 += want;
+                }
+                // Each lands in the pool as soon as it is ready: a create may be waiting for it.
+                let batch = futures::future::join_all((0..want).map(|_| async {
+                    let r = self.prestart(&t, &m.build, &rootfs, m.rootfs.bytes).await;
+                    let ok = match r {
+                        Ok(p) => {
+                            if let Ok(mut s) = self.pools.started.lock() {
+                                s.entry(t.clone()).or_default().push(p)
+                            }
+                            true
+                        }
+                        Err(e) => {
+                            tracing::warn!(template = %t, error = %e, "started pool refill");
+                            false
+                        }
+                    };
+                    if let Ok(mut m) = self.pools.starting.lock() {
+                        if let Some(c) = m.get_mut(&t) {
+                            c.0 = c.0.saturating_sub(1);
                         }
                     }
-                    Err(e) => {
-                        tracing::warn!(template = %t, error = %e, "started pool refill");
-                        break;
-                    }
+                    self.pools.started_done.notify_waiters();
+                    ok
+                }))
+                .await;
+                let failed = batch.iter().any(|ok| !ok);
+                if failed {
+                    break;
                 }
             }
         }

@@ -263,7 +263,13 @@ impl Node {
         agent_args.extend(cfg.sandbox.agent_args.iter().cloned());
         let launch = LaunchSettings {
             self_exe: std::env::current_exe().context("locating own executable")?,
-            agent_path: "/sbin/cube-agent".into(),
+            // The node's agent, bind-mounted on the sandbox's /run (shared page cache).
+            agent_path: "/run/cube-agent".into(),
+            agent_host: Some(
+                cfg.agent_binary
+                    .canonicalize()
+                    .with_context(|| format!("agent binary {}", cfg.agent_binary.display()))?,
+            ),
             agent_args,
             hostname: cfg.sandbox.hostname.clone(),
             seccomp: cfg.sandbox.seccomp,
@@ -1083,6 +1089,18 @@ impl Node {
         }
         out.sort_by(|a, b| a.id.cmp(&b.id));
         out
+    }
+
+    /// The sandboxes not in the middle of an operation, without waiting for any: a create
+    /// holds its sandbox for up to the ready timeout, and NodeStatus (the master's liveness
+    /// probe) must not queue behind it and make a busy node look dead.
+    pub fn list_settled(&self) -> Vec<SandboxState> {
+        self.registry
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .filter_map(|e| e.try_lock().ok().map(|g| g.clone()))
+            .collect()
     }
 
     /// SnapshotSandbox: filesystem only on this runtime. The sandbox is frozen while its

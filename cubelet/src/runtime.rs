@@ -26,6 +26,8 @@ pub enum RuntimeError {
 pub struct LaunchSettings {
     pub self_exe: PathBuf,
     pub agent_path: String,
+    /// The node's agent binary, bind-mounted at `agent_path` (see `InitSpec::agent_host`).
+    pub agent_host: Option<PathBuf>,
     pub agent_args: Vec<String>,
     pub hostname: String,
     pub seccomp: bool,
@@ -111,6 +113,7 @@ pub fn launch_prepared(
         cgroup_procs: cg.procs_files(key),
         hostname: settings.hostname.clone(),
         agent_path: settings.agent_path.clone(),
+        agent_host: settings.agent_host.clone(),
         agent_args: settings.agent_args.clone(),
         log: paths.log(),
         keep_caps: crate::sandbox_init::AGENT_CAPS.to_vec(),

@@ -24,6 +24,13 @@ pub struct InitSpec {
     pub cgroup_procs: Vec<PathBuf>,
     pub hostname: String,
     pub agent_path: String,
+    /// The node's agent binary. When set it is bind-mounted read-only at `agent_path` on the
+    /// sandbox's fresh `/run` and executed from there instead of the image's copy: every
+    /// sandbox then maps the same host page cache instead of reading ~20 MB through its own
+    /// loop device (a quarter of the CPU of a create burst), and the sandbox still cannot
+    /// write to it (read-only mount, no CAP_SYS_ADMIN to remount).
+    #[serde(default)]
+    pub agent_host: Option<PathBuf>,
     pub agent_args: Vec<String>,
     pub log: PathBuf,
     pub keep_caps: Vec<u32>,
@@ -170,6 +177,25 @@ fn launch(spec: &InitSpec) -> Result<i32, String> {
 
 enum Never {}
 
+/// Bind-mounts the host's agent binary read-only at `target` (a path on the sandbox's own
+/// `/run` tmpfs, so no symlink in the image can redirect it).
+fn bind_agent(host: &Path, target: &Path) -> Result<(), String> {
+    if let Some(dir) = target.parent() {
+        mkdirs(dir)?;
+    }
+    std::fs::File::create(target).map_err(|e| format!("create {}: {e}", target.display()))?;
+    let host_s = host.to_string_lossy();
+    mount(&host_s, target, "", libc::MS_BIND, "")?;
+    // The read-only flag of a bind mount takes a remount.
+    mount(
+        "",
+        target,
+        "",
+        libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV,
+        "",
+    )
+}
+
 fn mkdirs(p: &Path) -> Result<(), String> {
     std::fs::create_dir_all(p).map_err(|e| format!("mkdir {}: {e}", p.display()))
 }
@@ -184,7 +210,10 @@ fn child(spec: &InitSpec, filter: Option<&seccompiler::BpfProgram>) -> Result<Ne
         "",
     )?;
     let dev = crate::storage::LoopDevice::attach(&spec.disk).map_err(|e| e.to_string())?;
-    if let Err(e) = crate::storage::mount_dev(&dev.path, root, "ext4", libc::MS_NOATIME) {
+    // noinit_itable: no background inode-table zeroing thread per sandbox mount.
+    if let Err(e) =
+        crate::storage::mount_dev(&dev.path, root, "ext4", libc::MS_NOATIME, "noinit_itable")
+    {
         dev.detach();
         return Err(e.to_string());
     }
@@ -266,6 +295,9 @@ fn child(spec: &InitSpec, filter: Option<&seccompiler::BpfProgram>) -> Result<Ne
         libc::MS_NOSUID | libc::MS_NODEV,
         &format!("mode=755,size={}m", spec.run_size_mib),
     )?;
+    if let Some(host) = &spec.agent_host {
+        bind_agent(host, &root.join(spec.agent_path.trim_start_matches('/')))?;
+    }
     mount(
         "tmpfs",
         &root.join("tmp"),

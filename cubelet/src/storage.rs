@@ -289,7 +289,7 @@ pub fn ensure_xfs_loop(
     }
     std::fs::create_dir_all(mountpoint).map_err(io("mkdir", mountpoint))?;
     let dev = LoopDevice::attach(image)?;
-    let r = mount_dev(&dev.path, mountpoint, "xfs", 0);
+    let r = mount_dev(&dev.path, mountpoint, "xfs", 0, "");
     match r {
         Ok(()) => {
             dev.release();
@@ -323,11 +323,18 @@ pub fn mount_dev(
     target: &Path,
     fstype: &str,
     flags: libc::c_ulong,
+    data: &str,
 ) -> Result<(), StorageError> {
     let (d, t) = (cstr(dev), cstr(target));
     let fs = std::ffi::CString::new(fstype).unwrap_or_default();
-    // SAFETY: valid C strings; null data.
-    let r = unsafe { libc::mount(d.as_ptr(), t.as_ptr(), fs.as_ptr(), flags, std::ptr::null()) };
+    let opts = std::ffi::CString::new(data).unwrap_or_default();
+    let data_ptr = if data.is_empty() {
+        std::ptr::null()
+    } else {
+        opts.as_ptr() as *const libc::c_void
+    };
+    // SAFETY: valid C strings; data is null or a valid C string.
+    let r = unsafe { libc::mount(d.as_ptr(), t.as_ptr(), fs.as_ptr(), flags, data_ptr) };
     if r != 0 {
         return Err(io("mount", target)(std::io::Error::last_os_error()));
     }

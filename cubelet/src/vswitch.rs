@@ -168,6 +168,22 @@ impl NetworkHook for VsHook {
         }
     }
 
+    fn endpoint_recycled(&self, ep: &Endpoint) -> Result<(), String> {
+        let port = port_of(ep);
+        let mut g = self.lock();
+        if let Some(a) = g.bound.remove(&ep.host_ifindex) {
+            g.pool.release(a);
+        }
+        match g.sw.unbind(&port) {
+            Ok(Some(a)) => {
+                g.pool.release(a);
+                Ok(())
+            }
+            Ok(None) => Ok(()),
+            Err(e) => Err(format!("cube-vs unbind of {}: {e}", ep.host_if)),
+        }
+    }
+
     fn readopt(
         &self,
         live: &[(Endpoint, Option<Ipv4Addr>, Policy)],

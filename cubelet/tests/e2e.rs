@@ -649,6 +649,68 @@ async fn pools_serve_creates_and_churn_leaves_nothing() {
     c.assert_clean();
 }
 
+/// A killed sandbox's network endpoint is reused by the next create: same namespace and host
+/// interface, no binding of the old sandbox left on it, and the new sandbox is reachable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_sandboxes_endpoints_are_recycled_clean() {
+    cube_testkit::require_priv!("cubelet::endpoint_recycle");
+    let mut c = Cubelet::new(
+        "recyc",
+        Opts {
+            network_recycle: Some(4),
+            ..Default::default()
+        },
+    );
+    let mut cl = c.start().await;
+    let a = cl
+        .create_sandbox(create_req("rec1"))
+        .await
+        .unwrap()
+        .into_inner();
+    let a_state = state_of(&c, "rec1");
+    let a_ep = a_state.endpoint.clone().expect("endpoint");
+    assert!(a_state.host_addr.is_some());
+    assert_eq!(sh(&a, "echo one").await.1, "one\n");
+    cl.kill_sandbox(pb::SandboxRef {
+        sandbox_id: "rec1".into(),
+    })
+    .await
+    .unwrap();
+    // Kept: its namespace, attached to the switch but unbound (no address, policy or flows).
+    assert!(a_ep.netns_path.exists(), "recycled namespace was deleted");
+    let left = c.switch_has_port(a_ep.host_ifindex);
+    assert!(
+        left.iter()
+            .all(|l| l.contains("cvs_ports") || l.contains("cvs_stats")),
+        "old binding left on a recycled port: {left:?}"
+    );
+    let b = cl
+        .create_sandbox(create_req("rec2"))
+        .await
+        .unwrap()
+        .into_inner();
+    let b_state = state_of(&c, "rec2");
+    let b_ep = b_state.endpoint.clone().expect("endpoint");
+    assert_eq!(b_ep.netns_path, a_ep.netns_path, "endpoint was not reused");
+    assert_eq!(b.host_interface, a.host_interface);
+    // Reachable at its (possibly new) address, and it is a fresh sandbox.
+    assert_eq!(
+        sh(&b, "echo two; ls /proc | grep -c '^[0-9]'")
+            .await
+            .1
+            .lines()
+            .next(),
+        Some("two")
+    );
+    cl.kill_sandbox(pb::SandboxRef {
+        sandbox_id: "rec2".into(),
+    })
+    .await
+    .unwrap();
+    c.stop();
+    c.assert_clean();
+}
+
 /// The default `base` template (bookworm minbase + bash, coreutils, python3, CA certificates)
 /// built through debootstrap. The debootstrap root is cached in /var/cache/cube/templates keyed
 /// by the recipe, so only the first run on a machine reaches Debian's mirror (~2 min).

@@ -76,6 +76,9 @@ pub struct Opts {
     /// Use the persistent debootstrap cache (/var/cache/cube/templates) instead of a temp one.
     pub shared_cache: bool,
     pub network_pool: u32,
+    /// Endpoints of killed sandboxes kept for reuse (`pools.network_recycle`); None = as many
+    /// as `network_pool`, so a test's leak check after kills sees no recycled namespaces.
+    pub network_recycle: Option<u32>,
     pub disk_pool: u32,
     pub started: u32,
     pub max_sandboxes: u32,
@@ -128,6 +131,7 @@ ready_timeout_ms = 15000
 parent = "{cgroup_parent}"
 [pools]
 network = {net}
+network_recycle = {recycle}
 disks = {disks}
 disk_templates = [{dt}]
 refill_interval_ms = 50
@@ -152,6 +156,7 @@ nft_table = "{nft_table}"
             agent = stripped_agent(&root).display(),
             max = o.max_sandboxes,
             net = o.network_pool,
+            recycle = o.network_recycle.unwrap_or(o.network_pool),
             disks = o.disk_pool,
             dt = if o.disk_pool > 0 { "\"mini\"" } else { "" },
         );
