@@ -123,6 +123,10 @@ switch = "cube-vs"
 host_pool = "{host_pool}"
 pin_root = "{pin_root}"
 nft_table = "{nft_table}"
+[pools.started]
+# Pre-started sandboxes of the template: their agent has already started the Python worker,
+# which is what makes the first run_code after a create fast.
+"{TEMPLATE}" = {os.environ.get("CUBE_INTERP_POOL", "2")}
 """)
         t0 = time.time()
         subprocess.run(["bash", BUILD_SH, "--cubelet", cubelet, "--config", cfg], check=True,
