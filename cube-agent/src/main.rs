@@ -86,11 +86,16 @@ async fn start_interpreter(
             return;
         }
     };
-    let interp = cube_agent::interpreter::Interpreter::new(state, icfg.clone());
+    let interp = cube_agent::interpreter::Interpreter::new(state.clone(), icfg.clone());
     tracing::info!(%addr, "serving the code-interpreter protocol");
     if icfg.prestart {
         let i = interp.clone();
-        tokio::spawn(async move { i.prestart().await });
+        use std::sync::atomic::Ordering;
+        state.warming.fetch_add(1, Ordering::SeqCst);
+        tokio::spawn(async move {
+            i.prestart().await;
+            state.warming.fetch_sub(1, Ordering::SeqCst);
+        });
     }
     tokio::spawn(cube_agent::interpreter::serve(listener, interp));
 }

@@ -300,7 +300,7 @@ async fn route(state: Shared, req: Request<Incoming>) -> Resp {
     let headers = parts.headers;
 
     match (method.as_str(), path.as_str()) {
-        ("GET", "/health") => return sys_http::health(),
+        ("GET", "/health") => return sys_http::health(&state, &query),
         ("POST", "/init") => return sys_http::init(&state, &headers, &mut body).await,
         _ => {}
     }

@@ -27,6 +27,9 @@ pub struct AgentState {
     pub is_init: bool,
     /// Previous (total, idle) CPU jiffies for `/metrics`.
     pub cpu_sample: Mutex<Option<(u64, u64)>>,
+    /// Start-up work still running (the interpreter's pre-started worker): `GET /health?warm`
+    /// answers 503 until it is done, so a node pools a sandbox only once it is fully warm.
+    pub warming: std::sync::atomic::AtomicUsize,
 }
 
 pub type Shared = Arc<AgentState>;
@@ -51,6 +54,7 @@ impl AgentState {
             watchers: WatcherRegistry::new(),
             is_init,
             cpu_sample: Mutex::new(None),
+            warming: std::sync::atomic::AtomicUsize::new(0),
         })
     }
 

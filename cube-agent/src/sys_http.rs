@@ -22,7 +22,12 @@ fn with_version(mut r: Resp) -> Resp {
     r
 }
 
-pub fn health() -> Resp {
+/// `GET /health`: 204 once serving. With `?warm`, 503 while start-up work (the interpreter's
+/// pre-started worker) is still running — what a node waits for before pooling a sandbox.
+pub fn health(state: &Shared, query: &HashMap<String, String>) -> Resp {
+    if query.contains_key("warm") && state.warming.load(std::sync::atomic::Ordering::SeqCst) > 0 {
+        return with_version(server::empty(503));
+    }
     with_version(server::empty(204))
 }
 

@@ -278,6 +278,41 @@ fn default_context_is_prestarted() {
     assert!(t.elapsed() < Duration::from_secs(5));
 }
 
+/// `/health` answers at once; `/health?warm` only once the pre-started worker has said it is
+/// ready (here a python3 that takes a second to start), which is what a node pools on.
+#[test]
+fn health_warm_waits_for_the_prestarted_worker() {
+    let dir = TempDir::new("slowpy");
+    let slow = dir.path("slow-python3");
+    let real = ["/usr/bin/python3", "/usr/local/bin/python3"]
+        .into_iter()
+        .find(|p| std::path::Path::new(p).exists())
+        .expect("python3");
+    std::fs::write(&slow, format!("#!/bin/sh\nsleep 1\nexec {real} \"$@\"\n")).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&slow, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let t = Instant::now();
+    let i = start(&format!("python = \"{slow}\"\n"));
+    assert_eq!(i.agent.request("GET", "/health", &[], b"").status, 204);
+    assert_eq!(i.agent.request("GET", "/health?warm", &[], b"").status, 503);
+    common::wait_for("warm", || {
+        i.agent.request("GET", "/health?warm", &[], b"").status == 204
+    });
+    assert!(
+        t.elapsed() >= Duration::from_secs(1),
+        "warm before python could start"
+    );
+    // Warm means the worker is there and answers without a start-up wait.
+    assert!(!worker_pids(i.agent.pid()).is_empty());
+    let t = Instant::now();
+    i.run("1+1");
+    assert!(
+        t.elapsed() < Duration::from_millis(900),
+        "{:?}",
+        t.elapsed()
+    );
+}
+
 #[test]
 fn output_streams_while_the_cell_runs() {
     let i = start("");

@@ -43,6 +43,16 @@ impl Context {
         self.ensure_in(&mut slot, spec).map(|_| ())
     }
 
+    /// Like `ensure_started`, and waits until the worker has said it is ready.
+    pub async fn ensure_ready(
+        &self,
+        spec: &SpawnSpec,
+        timeout: std::time::Duration,
+    ) -> Result<(), WorkerError> {
+        let mut slot = self.slot.lock().await;
+        self.ensure_in(&mut slot, spec)?.wait_ready(timeout).await
+    }
+
     fn ensure_in<'a>(
         &self,
         slot: &'a mut Option<Worker>,

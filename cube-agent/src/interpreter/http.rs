@@ -71,7 +71,11 @@ impl Interpreter {
             .default_for(Language::Python, self.default_cwd());
         match self.spawn_spec() {
             Ok(spec) => {
-                if let Err(e) = ctx.ensure_started(&spec).await {
+                // Ready, not just spawned: the node pools this sandbox once this returns.
+                if let Err(e) = ctx
+                    .ensure_ready(&spec, std::time::Duration::from_secs(30))
+                    .await
+                {
                     tracing::warn!("pre-starting the Python context: {e}");
                 }
             }

@@ -216,6 +216,23 @@ impl Worker {
         }
     }
 
+    /// Waits for the worker's `ready` message: the interpreter is up and the worker code loaded.
+    pub async fn wait_ready(&mut self, timeout: std::time::Duration) -> Result<(), WorkerError> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            match tokio::time::timeout_at(deadline, self.events.recv()).await {
+                Err(_) => return Err(WorkerError::Gone(format!("not ready after {timeout:?}"))),
+                Ok(None) | Ok(Some(WorkerEvent::Exited(_))) => {
+                    self.dead = true;
+                    return Err(WorkerError::Gone("exited while starting".into()));
+                }
+                Ok(Some(WorkerEvent::Msg(_, WorkerMsg::Ready))) => return Ok(()),
+                // Start-up noise (warnings on stderr) belongs to no cell.
+                Ok(Some(_)) => {}
+            }
+        }
+    }
+
     /// Sends one execution; returns its id.
     pub async fn send_execute(
         &mut self,
