@@ -1,16 +1,15 @@
 """The npm `@e2b/code-interpreter` SDK (pinned in tests/e2e_npm/npm/code-interpreter-*/) against the
 same stack as the Python SDK tests. The cases live in ci_test.cjs; each becomes a test here."""
 
-import json
 import os
-import shutil
-import subprocess
+import sys
 
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NPM_DIR = os.path.join(HERE, "..", "e2e_npm")
-NPM_ROOT = os.environ.get("CUBE_NPM_ROOT", "/var/cache/cube/npm")
+sys.path.insert(0, NPM_DIR)
+import npm_cases  # noqa: E402
 VERSIONS = sorted(d.split("-", 2)[2] for d in os.listdir(os.path.join(NPM_DIR, "npm"))
                   if d.startswith("code-interpreter-"))
 CASES = ["one_plus_one", "state_and_env", "streaming_callbacks", "errors", "chart_png", "contexts",
@@ -19,26 +18,14 @@ CASES = ["one_plus_one", "state_and_env", "streaming_callbacks", "errors", "char
 
 @pytest.fixture(scope="module", params=VERSIONS)
 def npm_run(request, cube):
-    if shutil.which("node") is None:
-        pytest.fail("node is not installed (needs node >= 20.18.1 and npm; see deploy/deps.sh)")
-    subprocess.run(["bash", os.path.join(NPM_DIR, "install.sh")], check=True,
-                   env={**os.environ, "CUBE_NPM_ROOT": NPM_ROOT})
-    pkg = os.path.join(NPM_ROOT, f"code-interpreter-{request.param}", "node_modules", "@e2b",
-                       "code-interpreter")
-    env = {**os.environ, "CUBE_CI_JS": pkg, "E2B_API_URL": cube.api_url,
-           "E2B_SANDBOX_URL": cube.sandbox_url, "E2B_API_KEY": cube.api_key}
-    p = subprocess.run(["node", os.path.join(HERE, "ci_test.cjs")], env=env, capture_output=True,
-                       text=True, timeout=300)
-    results = {}
-    for line in p.stdout.splitlines():
-        try:
-            r = json.loads(line)
-        except ValueError:
-            continue
-        results[r["case"]] = r
-    if "main" in results or not results:
-        pytest.fail(f"ci_test.cjs crashed (rc={p.returncode}): {p.stdout[-2000:]} {p.stderr[-2000:]}")
-    return request.param, results
+    try:
+        pkg = os.path.join(npm_cases.installed(f"code-interpreter-{request.param}"), "@e2b",
+                           "code-interpreter")
+        env = {**os.environ, "CUBE_CI_JS": pkg, "E2B_API_URL": cube.api_url,
+               "E2B_SANDBOX_URL": cube.sandbox_url, "E2B_API_KEY": cube.api_key}
+        return request.param, npm_cases.run_cases(os.path.join(HERE, "ci_test.cjs"), env)
+    except RuntimeError as e:
+        pytest.fail(str(e))
 
 
 @pytest.mark.parametrize("case", CASES)
