@@ -164,6 +164,33 @@ impl AgentClient {
         }
     }
 
+    /// Polls `/health?warm` until the agent's start-up work (the code interpreter's
+    /// pre-started worker) is done: a pooled sandbox is then as warm as it will get. Agents
+    /// without such work answer at once.
+    pub async fn wait_warm(&self, timeout: Duration) -> Result<(), AgentError> {
+        let start = Instant::now();
+        let mut delay = Duration::from_millis(1);
+        loop {
+            let (st, body) = self
+                .request("GET", "/health?warm", &[], vec![], Duration::from_secs(2))
+                .await?;
+            if (200..300).contains(&st) {
+                return Ok(());
+            }
+            if start.elapsed() >= timeout {
+                return Err(AgentError::Timeout(
+                    timeout,
+                    format!(
+                        "still warming up (/health?warm: {st} {})",
+                        String::from_utf8_lossy(&body)
+                    ),
+                ));
+            }
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(Duration::from_millis(10));
+        }
+    }
+
     /// Polls `/health` until it answers 2xx or the deadline passes.
     pub async fn wait_healthy(&self, timeout: Duration) -> Result<(), AgentError> {
         let start = Instant::now();

@@ -91,10 +91,7 @@ fn sandbox_to(node: &Node, s: &SandboxState) -> pb::Sandbox {
         template: s.template.clone(),
         build: s.build.clone(),
         state: state as i32,
-        #[cfg(feature = "microvm")]
         runtime: s.runtime().into(),
-        #[cfg(not(feature = "microvm"))]
-        runtime: crate::runtime::RUNTIME_NAME.into(),
         shape: Some(pb::Shape {
             vcpus: s.shape.vcpus,
             memory_mib: s.shape.memory_mib,

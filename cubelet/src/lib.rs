@@ -1,10 +1,10 @@
 //! Node daemon: templates, storage, network, pools and sandbox runtimes.
 //!
 //! Runtimes: `namespace` (Linux namespaces + cgroups + seccomp, shared kernel), and with the
-//! `microvm` cargo feature also `microvm` (one cube-shim process per sandbox hosting a KVM
-//! microVM restored from a snapshot) and `auto`, which picks between them (`microvm::select`).
-//! The feature is off by default until its code has been built and tested in CI (see
-//! `tests/microvm.rs`).
+//! `microvm` cargo feature (on by default) also `microvm` (one cube-shim process per sandbox
+//! hosting a KVM microVM restored from a snapshot) and `auto`, which picks between them
+//! (`microvm::select`). `--no-default-features` builds a namespace-only cubelet. Both share
+//! `node.rs`; the microVM operations live in `node/microvm_ops.rs`.
 
 pub mod agent;
 pub mod cgroup;
@@ -15,7 +15,6 @@ pub mod metrics;
 #[cfg(feature = "microvm")]
 pub mod microvm;
 pub mod network;
-#[cfg_attr(feature = "microvm", path = "node_microvm.rs")]
 pub mod node;
 pub mod oci;
 pub mod registration;

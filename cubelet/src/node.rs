@@ -14,8 +14,18 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+/// The `microvm` runtime's node operations; the rest of this file is shared by both runtimes.
+#[cfg(feature = "microvm")]
+mod microvm_ops;
+
 pub const STATE_MAGIC: &str = "cube-sandbox-state";
 pub const STATE_VERSION: u32 = 1;
+
+/// Phases reported in the `sandboxes` gauge.
+#[cfg(feature = "microvm")]
+const GAUGED_PHASES: [&str; 4] = ["creating", "running", "paused", "failed"];
+#[cfg(not(feature = "microvm"))]
+const GAUGED_PHASES: [&str; 3] = ["creating", "running", "paused"];
 
 /// Errors of node operations; each maps to one gRPC status code.
 #[derive(Debug, thiserror::Error)]
@@ -65,6 +75,9 @@ pub enum Phase {
     Pooled,
     Running,
     Paused,
+    /// The sandbox's VMM process (cube-shim) died; kept (and reported) until killed.
+    #[cfg(feature = "microvm")]
+    Failed,
 }
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
@@ -97,6 +110,29 @@ pub struct SandboxState {
     /// files stay readable).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host_addr: Option<std::net::Ipv4Addr>,
+    /// Set on the `microvm` runtime (`pid` is then the shim's); absent on `namespace`.
+    #[cfg(feature = "microvm")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub microvm: Option<crate::microvm::MicroVmState>,
+}
+
+impl SandboxState {
+    /// Whether the sandbox is a microVM (hosted by a cube-shim) rather than namespaces.
+    pub fn is_microvm(&self) -> bool {
+        #[cfg(feature = "microvm")]
+        return self.microvm.is_some();
+        #[cfg(not(feature = "microvm"))]
+        return false;
+    }
+
+    /// The runtime the sandbox runs on.
+    pub fn runtime(&self) -> &'static str {
+        #[cfg(feature = "microvm")]
+        if self.is_microvm() {
+            return crate::microvm::RUNTIME_NAME;
+        }
+        runtime::RUNTIME_NAME
+    }
 }
 
 /// A create request, already decoded from gRPC.
@@ -148,6 +184,12 @@ pub struct Node {
     pools: Pools,
     shutdown: tokio::sync::watch::Sender<bool>,
     refiller: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// The runtime chosen at start (`runtime = auto` decides here) and why.
+    #[cfg(feature = "microvm")]
+    pub selection: crate::microvm::Selection,
+    /// The microvm runtime's parts, when it is the node's runtime.
+    #[cfg(feature = "microvm")]
+    mvm: Option<microvm_ops::Parts>,
 }
 
 fn new_key() -> String {
@@ -193,7 +235,13 @@ impl Node {
     /// Prepares directories, detects cgroups and storage, opens netlink, recovers state.
     pub async fn start(cfg: Config, hook: Arc<dyn NetworkHook>) -> anyhow::Result<Arc<Node>> {
         use anyhow::Context;
+        #[cfg(feature = "microvm")]
+        let selection = crate::microvm::select(&cfg.runtime, &kvm_kind(), &cfg.microvm)
+            .map_err(|e| anyhow::anyhow!(e))?;
+        #[cfg(feature = "microvm")]
+        tracing::info!(runtime = selection.runtime, kvm = %selection.kvm_kind, reason = %selection.reason, "runtime selected");
         // `auto` means microvm where this node can run it; this build has only `namespace`.
+        #[cfg(not(feature = "microvm"))]
         if cfg.runtime == "auto" {
             tracing::info!("runtime \"auto\": using \"namespace\" (this cubelet is built without the microvm runtime)");
         } else if cfg.runtime != runtime::RUNTIME_NAME {
@@ -263,7 +311,19 @@ impl Node {
             tmp_size_mib: cfg.sandbox.tmp_size_mib,
             pids_max: cfg.sandbox.pids_max,
         };
-        tracing::warn!("runtime \"namespace\": sandboxes share the host kernel (container-level isolation, no memory snapshots)");
+        #[cfg(feature = "microvm")]
+        let is_namespace = selection.runtime == runtime::RUNTIME_NAME;
+        #[cfg(not(feature = "microvm"))]
+        let is_namespace = true;
+        if is_namespace {
+            tracing::warn!("runtime \"namespace\": sandboxes share the host kernel (container-level isolation, no memory snapshots)");
+        }
+        #[cfg(feature = "microvm")]
+        let mvm = if selection.runtime == crate::microvm::RUNTIME_NAME {
+            Some(microvm_ops::Parts::new(&cfg).context("microvm runtime")?)
+        } else {
+            None
+        };
         let (shutdown, _) = tokio::sync::watch::channel(false);
         let node = Arc::new(Node {
             cfg,
@@ -280,6 +340,10 @@ impl Node {
             pools: Pools::default(),
             shutdown,
             refiller: Mutex::new(None),
+            #[cfg(feature = "microvm")]
+            selection,
+            #[cfg(feature = "microvm")]
+            mvm,
         });
         node.recover().await;
         let live: Vec<(Endpoint, Option<std::net::Ipv4Addr>, Policy)> = node
@@ -356,9 +420,10 @@ impl Node {
                 Ok(st)
                     if matches!(st.phase, Phase::Running | Phase::Paused)
                         && st.id == name
-                        && runtime::is_alive(st.pid, st.pid_start) =>
+                        && runtime::is_alive(st.pid, st.pid_start)
+                        && self.readopt_runtime(&st) =>
                 {
-                    tracing::info!(id = %st.id, pid = st.pid, phase = ?st.phase, "re-adopted sandbox");
+                    tracing::info!(id = %st.id, pid = st.pid, phase = ?st.phase, runtime = st.runtime(), "re-adopted sandbox");
                     keep_keys.push(st.key.clone());
                     if let Some(ep) = &st.endpoint {
                         keep_eps.push(ep.key.clone());
@@ -399,7 +464,19 @@ impl Node {
                 let _ = std::fs::remove_file(e.path());
             }
         }
+        #[cfg(feature = "microvm")]
+        self.recover_microvm_leftovers(&keep_keys).await;
         self.update_gauges();
+    }
+
+    /// At restart: whether the runtime can take a live sandbox back (namespaces: always).
+    fn readopt_runtime(&self, st: &SandboxState) -> bool {
+        #[cfg(feature = "microvm")]
+        if st.is_microvm() {
+            return self.readopt_microvm(st);
+        }
+        let _ = st;
+        true
     }
 
     /// Releases everything a sandbox holds. Idempotent; never fails (logs instead).
@@ -420,10 +497,15 @@ impl Node {
         if let Some(ep) = &st.endpoint {
             // A sandbox that ran has a fully wired endpoint, and with every process of it gone
             // nothing holds the namespace: reuse it rather than pay for deleting and creating.
-            let reusable = killed && st.phase != Phase::Creating && ep.host_ifindex != 0;
+            let reusable =
+                killed && st.phase != Phase::Creating && ep.host_ifindex != 0 && !st.is_microvm();
             if !(reusable && self.recycle_endpoint(ep)) {
                 self.net.destroy(ep).await;
             }
+        }
+        #[cfg(feature = "microvm")]
+        if st.is_microvm() {
+            self.release_microvm(st);
         }
         let dir = self.paths_for(dirname).dir;
         if let Err(e) = std::fs::remove_dir_all(&dir) {
@@ -468,11 +550,13 @@ impl Node {
                 Phase::Pooled => "pooled",
                 Phase::Running => "running",
                 Phase::Paused => "paused",
+                #[cfg(feature = "microvm")]
+                Phase::Failed => "failed",
             };
             *counts.entry(k).or_default() += 1;
         }
         drop(reg);
-        for k in ["creating", "running", "paused"] {
+        for k in GAUGED_PHASES {
             self.metrics
                 .sandboxes
                 .with_label_values(&[k])
@@ -617,6 +701,8 @@ impl Node {
             create_latency_us: 0,
             from_pool: false,
             host_addr: None,
+            #[cfg(feature = "microvm")]
+            microvm: None,
         }));
         let mut guard = entry.clone().lock_owned().await;
         {
@@ -671,6 +757,10 @@ impl Node {
         rootfs: &Path,
         t0: Instant,
     ) -> Result<(), NodeError> {
+        #[cfg(feature = "microvm")]
+        if self.mvm.is_some() {
+            return self.create_microvm(req, st, rootfs, t0).await;
+        }
         let paths = self.paths_for(&req.id);
         let pooled = if st.shape.disk_mib
             == self
@@ -1093,6 +1183,14 @@ impl Node {
     async fn set_frozen(&self, id: &str, freeze: bool) -> Result<SandboxState, NodeError> {
         let e = self.entry(id)?;
         let mut st = e.lock().await;
+        #[cfg(feature = "microvm")]
+        if st.is_microvm() {
+            let r = self.pause_resume_microvm(&mut st, freeze).await;
+            let out = st.clone();
+            drop(st);
+            self.update_gauges();
+            return r.map(|_| out);
+        }
         let (from, to) = if freeze {
             (Phase::Running, Phase::Paused)
         } else {
@@ -1165,6 +1263,10 @@ impl Node {
         crate::template::check_name(template)?;
         let e = self.entry(id)?;
         let st = e.lock().await;
+        #[cfg(feature = "microvm")]
+        if st.is_microvm() {
+            return self.snapshot_microvm(&st, template).await;
+        }
         if !matches!(st.phase, Phase::Running | Phase::Paused) {
             return Err(NodeError::FailedPrecondition(format!(
                 "sandbox {id} is {:?}",
@@ -1249,6 +1351,8 @@ impl Node {
         for p in stale {
             self.destroy(&format!("pool-{}", p.key), &p).await;
         }
+        #[cfg(feature = "microvm")]
+        self.drain_microvm_pools(Some(&self.templates.dir().join(name)));
         if let Ok(mut d) = self.pools.disks.lock() {
             d.retain(|(t, _), files| {
                 if t == name {
@@ -1290,6 +1394,13 @@ impl Node {
     /// One pass over all pools, filling each up to its target.
     pub async fn refill_once(self: &Arc<Self>) {
         if *self.shutdown.borrow() {
+            return;
+        }
+        #[cfg(feature = "microvm")]
+        if self.mvm.is_some() {
+            self.check_shims().await;
+            self.refill_microvm().await;
+            self.update_gauges();
             return;
         }
         // Network endpoints.
@@ -1467,6 +1578,8 @@ impl Node {
             create_latency_us: 0,
             from_pool: true,
             host_addr: None,
+            #[cfg(feature = "microvm")]
+            microvm: None,
         };
         let r: Result<(), NodeError> = async {
             std::fs::create_dir(&paths.dir).map_err(|e| NodeError::Internal(e.to_string()))?;
@@ -1501,10 +1614,16 @@ impl Node {
                 .apply_policy(&ep, &Policy::default())
                 .map_err(internal("network policy"))?;
             self.save(&dirname, &st)?;
-            self.agent(&ep, st.host_addr)
-                .wait_healthy(Duration::from_millis(u64::from(
-                    self.cfg.sandbox.ready_timeout_ms,
-                )))
+            let agent = self.agent(&ep, st.host_addr);
+            let ready = Duration::from_millis(u64::from(self.cfg.sandbox.ready_timeout_ms));
+            agent
+                .wait_healthy(ready)
+                .await
+                .map_err(|e| NodeError::DeadlineExceeded(e.to_string()))?;
+            // Pooled only once warm (a code-interpreter template's Python worker is up), so the
+            // create that takes it finds nothing left to start.
+            agent
+                .wait_warm(ready)
                 .await
                 .map_err(|e| NodeError::DeadlineExceeded(e.to_string()))?;
             Ok(())
@@ -1546,6 +1665,8 @@ impl Node {
                 .unwrap_or(0);
             v.push(("started".into(), t.clone(), ready, *n));
         }
+        #[cfg(feature = "microvm")]
+        v.extend(self.microvm_pool_levels());
         v
     }
 
@@ -1587,6 +1708,8 @@ impl Node {
                 }
             }
         }
+        #[cfg(feature = "microvm")]
+        self.drain_microvm_pools(None);
         if kill_sandboxes {
             let ids: Vec<String> = self
                 .registry

@@ -17,6 +17,19 @@ struct Inner {
     bound: HashMap<u32, Ipv4Addr>,
 }
 
+impl Inner {
+    /// Unbinds a port and gives its host address back to the pool.
+    fn unbind(&mut self, port: &Port) -> Result<(), cube_vs::Error> {
+        if let Some(a) = self.bound.remove(&port.ifindex) {
+            self.pool.release(a);
+        }
+        if let Some(a) = self.sw.unbind(port)? {
+            self.pool.release(a);
+        }
+        Ok(())
+    }
+}
+
 /// [`NetworkHook`] backed by a [`cube_vs::Switch`].
 pub struct VsHook {
     inner: Mutex<Inner>,
@@ -152,14 +165,8 @@ impl NetworkHook for VsHook {
         }
         let port = port_of(ep);
         let mut g = self.lock();
-        if let Some(a) = g.bound.remove(&ep.host_ifindex) {
-            g.pool.release(a);
-        }
-        match g.sw.unbind(&port) {
-            Ok(Some(a)) => {
-                g.pool.release(a);
-            }
-            Ok(None) | Err(cube_vs::Error::NotAttached(_)) => {}
+        match g.unbind(&port) {
+            Ok(()) | Err(cube_vs::Error::NotAttached(_)) => {}
             Err(e) => tracing::error!(host_if = %ep.host_if, error = %e, "cube-vs unbind"),
         }
         match g.sw.detach(&port) {
@@ -169,19 +176,9 @@ impl NetworkHook for VsHook {
     }
 
     fn endpoint_recycled(&self, ep: &Endpoint) -> Result<(), String> {
-        let port = port_of(ep);
-        let mut g = self.lock();
-        if let Some(a) = g.bound.remove(&ep.host_ifindex) {
-            g.pool.release(a);
-        }
-        match g.sw.unbind(&port) {
-            Ok(Some(a)) => {
-                g.pool.release(a);
-                Ok(())
-            }
-            Ok(None) => Ok(()),
-            Err(e) => Err(format!("cube-vs unbind of {}: {e}", ep.host_if)),
-        }
+        self.lock()
+            .unbind(&port_of(ep))
+            .map_err(|e| format!("cube-vs unbind of {}: {e}", ep.host_if))
     }
 
     fn readopt(

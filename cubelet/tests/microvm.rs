@@ -7,7 +7,7 @@
 //! test program that takes its init payload over vsock instead of cube-agent's HTTP /init).
 //!
 //! Needs the cube-shim binary: `cargo build -p cube-shim` (found next to this test's target
-//! directory, or at $CUBE_SHIM_BIN). Compiled with `--features microvm` only.
+//! directory, or at $CUBE_SHIM_BIN). Compiled with the `microvm` feature (on by default).
 #![cfg(feature = "microvm")]
 
 use cube_proto::nodev1 as pb;
@@ -63,6 +63,10 @@ impl Node {
     /// A cubelet on `runtime = "microvm"` with the stand-in guest, its own dirs, cgroup parent
     /// and ports, an XFS loop data dir (reflinks), and a tiny template `tiny`.
     fn new(tag: &str, shims: u32) -> Node {
+        Node::with_shim(tag, shims, &shim_binary())
+    }
+
+    fn with_shim(tag: &str, shims: u32, shim: &Path) -> Node {
         let n = SEQ.fetch_add(1, Ordering::SeqCst);
         let name = format!("m{tag}{}{n}", std::process::id());
         let root = PathBuf::from(format!("/var/tmp/cubelet-mvm-{name}"));
@@ -104,7 +108,7 @@ switch = "none"
             g = free_port(),
             h = free_port(),
             root = root.display(),
-            shim = shim_binary().display(),
+            shim = shim.display(),
         );
         let config = root.join("cubelet.toml");
         std::fs::write(&config, &cfg).unwrap();
@@ -345,6 +349,32 @@ fn checkpoints(c: &mut Client) -> (ShimState, Vec<u32>, cube_shim::protocol::Sta
     }
 }
 
+/// The guest's checkpoints once the last one is `want` (panics after `within`). The host
+/// counts an init as taken when the guest shuts the init connection down: it has the payload
+/// then (length, magic and entropy checkpoints are already there). The stand-in reports
+/// INIT_DONE only once the device's RST answering that shutdown reaches it, which trails the
+/// create / resume reply by up to tens of milliseconds (the virtio backend's poll tick).
+fn checkpoints_ending(
+    c: &mut Client,
+    want: u32,
+    within: Duration,
+) -> (ShimState, Vec<u32>, cube_shim::protocol::Stats) {
+    let t0 = Instant::now();
+    loop {
+        let r = checkpoints(c);
+        if r.1.last() == Some(&want) {
+            return r;
+        }
+        assert!(
+            t0.elapsed() < within,
+            "last checkpoint is not {want:#x} after {within:?}: {:x?} ({:?})",
+            r.1,
+            r.0
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 async fn get(c: &mut NodeClient<tonic::transport::Channel>, id: &str) -> pb::Sandbox {
     c.get_sandbox(pb::SandboxRef {
         sandbox_id: id.into(),
@@ -437,7 +467,7 @@ async fn microvm_sandboxes_restore_pause_to_disk_fork_fail_and_survive_a_restart
         "clock {}",
         ia.clock_ns
     );
-    let (state, cps, _) = checkpoints(&mut sa);
+    let (state, cps, _) = checkpoints_ending(&mut sa, STANDIN_INIT_DONE, Duration::from_secs(5));
     assert_eq!(state, ShimState::Running);
     // Length, magic, first entropy dword (as the guest read them), done.
     let ent0 = u32::from_le_bytes(ia.entropy[..4].try_into().unwrap());
@@ -550,14 +580,13 @@ async fn microvm_sandboxes_restore_pause_to_disk_fork_fail_and_survive_a_restart
         .into_inner();
     assert_eq!(f.template, "forked");
     let mut sf = shim(&node, "mvf");
-    let (_, cps, _) = checkpoints(&mut sf);
+    let (_, cps, _) = checkpoints_ending(&mut sf, STANDIN_INIT_DONE, Duration::from_secs(5));
     // The fork starts where `mvb` was (idle after its init): it wakes, then takes its own init.
     let woke = cps
         .iter()
         .position(|&x| x == STANDIN_WOKEN)
         .expect("fork woke from idle");
-    assert_eq!(cps.last(), Some(&STANDIN_INIT_DONE), "{cps:x?}");
-    assert!(woke < cps.len() - 1);
+    assert!(woke < cps.len() - 1, "{cps:x?}");
     let iff = guest_init(&mut sf);
     assert_ne!(iff.entropy, ib.entropy);
     assert_eq!(iff.body.access_token.as_deref(), Some("token-mvf"));
@@ -642,18 +671,39 @@ async fn two_hundred_sandboxes_from_one_snapshot_share_its_pages() {
     let c = node.start().await;
     let t0 = Instant::now();
     let mut tasks = Vec::new();
-    // At most 16 creates in flight: each spawns a shim now (no warm pool in this test).
-    let sem = std::sync::Arc::new(tokio::sync::Semaphore::new(16));
+    // At most 8 creates in flight: each spawns a shim now (no warm pool in this test), and
+    // more at once only lengthens each spawn on a small CI machine (a shim that does not
+    // answer within 10 s fails its create).
+    let sem = std::sync::Arc::new(tokio::sync::Semaphore::new(8));
     for i in 0..N {
         let mut c = c.clone();
         let sem = sem.clone();
+        let id = format!("many{i}");
+        let sock = node.data().join("sandboxes").join(&id).join("shim.sock");
         tasks.push(tokio::spawn(async move {
             let _p = sem.acquire().await.unwrap();
-            c.create_sandbox(req(&format!("many{i}"), "tiny")).await
+            let s = c.create_sandbox(req(&id, "tiny")).await?.into_inner();
+            // Once it has taken its init, hold the VM (memory stays mapped, as it is): every
+            // running shim's virtio backend threads wake every 10 ms (cube-hypervisor's
+            // worker tick), and 200 of them in debug builds take both cores of a small CI
+            // machine, starving the creates still to come past their 10 s deadlines. Page
+            // sharing, what this test measures, is the same paused or running.
+            tokio::task::spawn_blocking(move || {
+                let mut sh = Client::connect(&sock).unwrap();
+                sh.set_timeout(Some(Duration::from_secs(30))).unwrap();
+                checkpoints_ending(&mut sh, STANDIN_INIT_DONE, Duration::from_secs(10));
+                match sh.call(Op::Pause).unwrap() {
+                    Reply::Paused => {}
+                    r => panic!("pause {id}: {r:?}"),
+                }
+            })
+            .await
+            .unwrap();
+            Ok::<_, tonic::Status>(s)
         }));
     }
     for t in tasks {
-        let s = t.await.unwrap().unwrap().into_inner();
+        let s = t.await.unwrap().unwrap();
         assert_eq!(s.state, pb::SandboxState::Running as i32);
     }
     let create_s = t0.elapsed().as_secs_f64();
@@ -709,4 +759,80 @@ async fn two_hundred_sandboxes_from_one_snapshot_share_its_pages() {
     node.stop();
     let left = node.leftovers();
     assert!(left.is_empty(), "leftovers: {left:?}");
+}
+
+/// A template snapshot that cannot be built is retried with exponential back-off (100 ms
+/// doubling), not at the refiller's 50 ms interval; the node keeps serving meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_template_snapshot_is_retried_with_backoff() {
+    cube_testkit::require_kvm!("microvm_refill_backoff");
+    cube_testkit::require_priv!("microvm_refill_backoff");
+    // A "cube-shim" that always fails: every snapshot build (and shim spawn) errors out.
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("cube-shim");
+    std::fs::write(&bad, b"#!/bin/sh\necho refusing >&2\nexit 3\n").unwrap();
+    std::fs::set_permissions(&bad, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let mut node = Node::with_shim("boff", 1, &bad);
+    let mut c = node.start().await;
+    let watch = Duration::from_millis(2500);
+    let t0 = Instant::now();
+    while t0.elapsed() < watch {
+        // Still answering while its refills fail.
+        let st = c
+            .node_status(pb::NodeStatusRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(st.runtime, "microvm");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let log = strip_ansi(&node.log());
+    let waits: Vec<u64> = log
+        .lines()
+        .filter(|l| l.contains("shim pool: template snapshot"))
+        .map(|l| {
+            let v = l
+                .split("retry_in_ms=")
+                .nth(1)
+                .unwrap_or_else(|| panic!("{l}"));
+            v.split(|c: char| !c.is_ascii_digit())
+                .next()
+                .unwrap()
+                .parse()
+                .unwrap()
+        })
+        .collect();
+    // Tries at ~0, 0.1, 0.3, 0.7, 1.5 s (then 3.1 s): 5, give or take start-up and
+    // scheduling; at the 50 ms refill interval it would be ~50.
+    assert!(
+        (3..=7).contains(&waits.len()),
+        "{} tries in {watch:?}: {waits:?}\n{log}",
+        waits.len()
+    );
+    assert_eq!(
+        waits,
+        [100, 200, 400, 800, 1600, 3200][..waits.len()],
+        "{log}"
+    );
+    node.stop();
+    let left = node.leftovers();
+    assert!(left.is_empty(), "leftovers: {left:?}\n{}", node.log());
+}
+
+/// The log without terminal colour codes (`ESC [ … m`).
+fn strip_ansi(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut it = s.chars();
+    while let Some(c) = it.next() {
+        if c == '\x1b' {
+            for c in it.by_ref() {
+                if c == 'm' {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }

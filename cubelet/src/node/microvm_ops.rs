@@ -14,7 +14,7 @@ use crate::config::Config;
 use crate::microvm::{
     self, Guest, InitBody, InitResponder, MicroVmError, MicroVmState, ShimSpawner, SpawnedShim,
 };
-use crate::shim_pool::{PoolKey, ShimPool};
+use crate::shim_pool::{Backoff, PoolKey, ShimPool};
 use crate::tap_pool::TapPool;
 
 /// How long one shim control call may take (pause-to-disk of a large guest is the slowest).
@@ -34,6 +34,8 @@ pub(crate) struct Parts {
     responders: Mutex<HashMap<String, InitResponder>>,
     /// Serializes template snapshot builds.
     build_lock: tokio::sync::Mutex<()>,
+    /// Templates whose pool refill (snapshot build or shim spawn) keeps failing.
+    backoff: Backoff,
 }
 
 impl Parts {
@@ -63,6 +65,7 @@ impl Parts {
             children: Mutex::new(HashMap::new()),
             responders: Mutex::new(HashMap::new()),
             build_lock: tokio::sync::Mutex::new(()),
+            backoff: Backoff::default(),
         })
     }
 }
@@ -715,10 +718,14 @@ impl Node {
                     }
                 }
             }
+            if !p.backoff.ready(&t, Instant::now()) {
+                continue;
+            }
             let snap = match self.ensure_snapshot(&rootfs, vcpus, mem).await {
                 Ok(s) => s,
                 Err(e) => {
-                    tracing::warn!(template = %t, error = %e, "shim pool: template snapshot");
+                    let wait = p.backoff.failed(&t, Instant::now());
+                    tracing::warn!(template = %t, error = %e, retry_in_ms = wait.as_millis() as u64, "shim pool: template snapshot");
                     continue;
                 }
             };
@@ -727,6 +734,7 @@ impl Node {
                 vcpus,
                 mem_mib: mem,
             };
+            let mut failed = false;
             while p.pool.level(&key) < n as usize {
                 if *self.shutdown.borrow() {
                     return;
@@ -734,10 +742,15 @@ impl Node {
                 match self.spawn_shim(vcpus, mem, Some(snap.clone())).await {
                     Ok(s) => p.pool.put(key.clone(), s),
                     Err(e) => {
-                        tracing::warn!(template = %t, error = %e, "shim pool refill");
+                        let wait = p.backoff.failed(&t, Instant::now());
+                        tracing::warn!(template = %t, error = %e, retry_in_ms = wait.as_millis() as u64, "shim pool refill");
+                        failed = true;
                         break;
                     }
                 }
+            }
+            if !failed {
+                p.backoff.succeeded(&t);
             }
         }
     }
