@@ -60,6 +60,9 @@ pub struct MmioTransport<D: VirtioDevice> {
     status: u32,
     config_generation: u32,
     interrupt_status: u32,
+    /// The backend worker's wake-up (see `worker.rs`): kicked after every guest notification,
+    /// which is what changes the set of fds the worker must watch.
+    backend_wake: Option<std::sync::Arc<vmm_sys_util::eventfd::EventFd>>,
 }
 
 impl<D: VirtioDevice> std::fmt::Debug for MmioTransport<D> {
@@ -106,6 +109,7 @@ impl<D: VirtioDevice> MmioTransport<D> {
             status: 0,
             config_generation: 0,
             interrupt_status: 0,
+            backend_wake: None,
         })
     }
 
@@ -148,6 +152,17 @@ impl<D: VirtioDevice> MmioTransport<D> {
     /// Fds the VMM should poll; when one is readable call [`MmioTransport::process_backend`].
     pub fn backend_fds(&self) -> Vec<RawFd> {
         self.device.backend_fds()
+    }
+
+    /// Where to signal the backend worker that the fds to watch may have changed.
+    pub fn set_backend_wake(&mut self, wake: std::sync::Arc<vmm_sys_util::eventfd::EventFd>) {
+        self.backend_wake = Some(wake);
+    }
+
+    fn kick_backend(&self) {
+        if let Some(w) = &self.backend_wake {
+            let _ = w.write(1);
+        }
     }
 
     /// Moves pending backend input into the guest (no-op until the driver is ready).
@@ -229,6 +244,7 @@ impl<D: VirtioDevice> MmioTransport<D> {
             status: state.status,
             config_generation: state.config_generation,
             interrupt_status: state.interrupt_status,
+            backend_wake: None,
         };
         if t.is_active() {
             if let Some(i) = t
@@ -431,10 +447,14 @@ impl<D: VirtioDevice> MmioTransport<D> {
                 let Ok(qi) = u16::try_from(v) else { return };
                 if self.is_active() && usize::from(qi) < self.queues.len() {
                     self.run(|dev, ctx| dev.queue_notify(qi, ctx));
+                    self.kick_backend();
                 }
             }
             VIRTIO_MMIO_INTERRUPT_ACK => self.interrupt_status &= !v,
-            VIRTIO_MMIO_STATUS => self.set_status(v),
+            VIRTIO_MMIO_STATUS => {
+                self.set_status(v);
+                self.kick_backend();
+            }
             _ => tracing::debug!(reg, "write to unknown virtio-mmio register"),
         }
     }

@@ -11,9 +11,14 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use super::{MmioTransport, VirtioDevice};
 
-/// Poll period: also bounds how long the worker takes to notice that a vsock host stream has
-/// room again or a new connection fd appeared.
+/// Poll period while the device is busy: bounds how long the worker takes to notice that a vsock
+/// host stream has room again (host streams are not polled for writability).
 const TICK: Duration = Duration::from_millis(10);
+/// Poll period once nothing has happened for `QUIET_TICKS` ticks. Changes to the set of fds to
+/// watch come from guest notifications, which kick the wake-up fd, so an idle device needs no
+/// fast tick: 100 wake-ups a second per device made hundreds of idle microVMs fill the CPUs.
+const IDLE_TICK: Duration = Duration::from_millis(500);
+const QUIET_TICKS: u32 = 20;
 
 #[derive(Default)]
 struct Ctl {
@@ -44,6 +49,10 @@ impl BackendWorker {
     pub fn spawn<D: VirtioDevice>(transport: Arc<Mutex<MmioTransport<D>>>) -> io::Result<Self> {
         let ctl = Arc::new((Mutex::new(Ctl::default()), Condvar::new()));
         let wake = Arc::new(EventFd::new(EFD_NONBLOCK)?);
+        transport
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .set_backend_wake(wake.clone());
         let (c, w) = (ctl.clone(), wake.clone());
         let handle = std::thread::Builder::new()
             .name("virtio-backend".into())
@@ -102,6 +111,7 @@ fn run<D: VirtioDevice>(
     ctl: Arc<(Mutex<Ctl>, Condvar)>,
     wake: Arc<EventFd>,
 ) {
+    let mut quiet = 0u32;
     loop {
         {
             let (m, cv) = &*ctl;
@@ -129,13 +139,23 @@ fn run<D: VirtioDevice>(
                 revents: 0,
             })
             .collect();
+        let tick = if quiet >= QUIET_TICKS {
+            IDLE_TICK
+        } else {
+            TICK
+        };
         // SAFETY: pfds is a valid array of pollfd of the given length for the whole call.
-        let _ = unsafe {
+        let ready = unsafe {
             libc::poll(
                 pfds.as_mut_ptr(),
                 pfds.len() as libc::nfds_t,
-                TICK.as_millis() as i32,
+                tick.as_millis() as i32,
             )
+        };
+        quiet = if ready > 0 {
+            0
+        } else {
+            quiet.saturating_add(1)
         };
         let _ = wake.read();
         let paused_or_stopped = {
