@@ -61,6 +61,9 @@ pub struct Node {
     pub free_memory_mib: u64,
     /// Creates sent to this node that its reported count does not include yet.
     pub inflight: u32,
+    /// When creates finished on this node since its count was last measured: without them,
+    /// creates faster than the status poll would all see the same counts and pile onto one node.
+    pub placed_ms: Vec<i64>,
     /// Templates with ready pool entries (warm starts).
     pub warm_templates: Vec<String>,
     /// SHA-256 of the registered node's secret (empty for static nodes).
@@ -106,6 +109,7 @@ impl Node {
             persisted_seen_ms: 0,
             free_memory_mib: 0,
             inflight: 0,
+            placed_ms: Vec::new(),
             warm_templates: Vec::new(),
             secret_sha256: String::new(),
             db_synced: false,
@@ -144,7 +148,9 @@ impl Node {
         NodeView {
             ready: self.ready && self.status.is_some(),
             cordoned: self.cordoned,
-            sandboxes: sandboxes.saturating_add(self.inflight),
+            sandboxes: sandboxes
+                .saturating_add(self.inflight)
+                .saturating_add(self.placed_ms.len() as u32),
             max_sandboxes: max,
             free_memory_mib: self.free_memory_mib,
             total_memory_mib: total,
@@ -260,6 +266,16 @@ impl Nodes {
     /// Applies `f` to the node with this id or address; returns its result.
     pub fn update<T>(&self, key: &str, f: impl FnOnce(&mut Node) -> T) -> Option<T> {
         self.write().iter_mut().find(|n| n.matches(key)).map(f)
+    }
+
+    /// Records a create that finished on the node `key`, until its reported count includes it.
+    pub fn placed(&self, key: &str) {
+        let now = crate::now_ms();
+        self.update(key, |n| {
+            // Bounded even if the node stops reporting.
+            n.placed_ms.retain(|&t| t > now - 30_000);
+            n.placed_ms.push(now);
+        });
     }
 
     /// Ranks the nodes for a sandbox of `template` and returns them best first, counting
@@ -387,6 +403,8 @@ impl Nodes {
             n.inflight = 0;
         }
         st.sandboxes = b.sandboxes;
+        // Counted by the node just before it sent the beat.
+        n.placed_ms.retain(|&t| t > now_ms - 50);
         st.templates = b.templates.clone();
         st.capacity
             .get_or_insert_with(Default::default)
@@ -420,6 +438,7 @@ impl Nodes {
             .filter(|n| n.origin == Origin::Static)
             .cloned()
             .collect();
+        let polled_at = crate::now_ms();
         let polls = statics.into_iter().map(|n| async move {
             let mut c = n.client.clone();
             let r =
@@ -463,6 +482,8 @@ impl Nodes {
                         e.inflight = 0;
                     }
                     e.status = Some(s);
+                    // Creates that finished before the poll was sent are in its count.
+                    e.placed_ms.retain(|&t| t >= polled_at);
                     e.misses = 0;
                     e.last_seen_ms = now;
                     e.set_health(Health::Ready);

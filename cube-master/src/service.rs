@@ -219,6 +219,7 @@ impl Controller {
         for n in cands {
             match self.create_on(&n, &row, &p).await {
                 Ok(sb) => {
+                    self.nodes.placed(&n.address);
                     row.node_id = n.id();
                     row.agent_address = sb.agent_address.clone();
                     row.host_interface = sb.host_interface.clone();

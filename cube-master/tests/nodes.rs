@@ -342,6 +342,34 @@ async fn cordon_skips_node(url: String) {
 }
 both_backends!(cordon, super::cordon_skips_node);
 
+async fn back_to_back_creates_spread(url: String) {
+    // Two equal nodes and creates faster than the status poll: each finished create must count
+    // on its node until a poll reports it, or every create would see the same tie.
+    let mk = |id: &str| {
+        std::sync::Arc::new(FakeNode {
+            id: id.into(),
+            max: 10,
+            templates: vec!["base".into()],
+            ..Default::default()
+        })
+    };
+    let (a, b) = (mk("a"), mk("b"));
+    let (a1, _s1) = serve(a.clone()).await;
+    let (a2, _s2) = serve(b.clone()).await;
+    let ctl = controller(&url, &[a1, a2], MasterConfig::default()).await;
+    for _ in 0..4 {
+        ctl.create(params()).await.unwrap();
+    }
+    assert_eq!(a.creates.load(Ordering::SeqCst), 2);
+    assert_eq!(b.creates.load(Ordering::SeqCst), 2);
+    // Once a poll has counted them, the pending entries are gone (the fake's count is what
+    // the node says; no double counting).
+    ctl.nodes.poll_once().await;
+    let pending: usize = ctl.nodes.snapshot().iter().map(|n| n.placed_ms.len()).sum();
+    assert_eq!(pending, 0);
+}
+both_backends!(back_to_back_spread, super::back_to_back_creates_spread);
+
 async fn drain(url: String) {
     let node = FakeNode::new("dr");
     let other = FakeNode::new("other");
