@@ -148,9 +148,8 @@ impl Node {
         NodeView {
             ready: self.ready && self.status.is_some(),
             cordoned: self.cordoned,
-            sandboxes: sandboxes
-                .saturating_add(self.inflight)
-                .saturating_add(self.placed_ms.len() as u32),
+            sandboxes: sandboxes.saturating_add(self.inflight),
+            recent: self.placed_ms.len() as u32,
             max_sandboxes: max,
             free_memory_mib: self.free_memory_mib,
             total_memory_mib: total,

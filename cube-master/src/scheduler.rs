@@ -20,6 +20,9 @@ pub struct NodeView<'a> {
     pub cordoned: bool,
     /// Sandboxes on the node plus creates already sent to it and not yet reflected.
     pub sandboxes: u32,
+    /// Creates finished on the node since its count was measured. They only weigh in the
+    /// spreading score, not the capacity filter: kills since then are not known either.
+    pub recent: u32,
     /// 0 = no declared limit.
     pub max_sandboxes: u32,
     /// Memory still available for sandboxes, MiB; 0 = unknown (not filtered on).
@@ -76,14 +79,15 @@ pub fn rank(nodes: &[NodeView<'_>], req: &Request<'_>) -> Result<Vec<usize>, NoF
 
 /// The node's score for this request, or `None` when it has no room.
 fn score(n: &NodeView<'_>, req: &Request<'_>) -> Option<f64> {
+    let load = n.sandboxes.saturating_add(n.recent);
     let slots = if n.max_sandboxes == 0 {
         // No declared limit: fewer sandboxes is better (spread).
-        1.0 / (1.0 + n.sandboxes as f64)
+        1.0 / (1.0 + load as f64)
     } else {
         if n.sandboxes >= n.max_sandboxes {
             return None;
         }
-        (n.max_sandboxes - n.sandboxes) as f64 / n.max_sandboxes as f64
+        n.max_sandboxes.saturating_sub(load) as f64 / n.max_sandboxes as f64
     };
     let memory = if n.free_memory_mib == 0 {
         0.5
@@ -151,6 +155,7 @@ mod tests {
                 ready: n.ready,
                 cordoned: n.cordoned,
                 sandboxes: n.running,
+                recent: 0,
                 max_sandboxes: n.max,
                 free_memory_mib: n.free,
                 total_memory_mib: 16384,
@@ -165,6 +170,18 @@ mod tests {
             template: t,
             memory_mib: 512,
         }
+    }
+
+    #[test]
+    fn recent_creates_spread_but_do_not_fill() {
+        let ns = vec![n(true, &["base"], 3, 10), n(true, &["base"], 3, 10)];
+        let mut v = views(&ns);
+        v[0].recent = 2;
+        assert_eq!(rank(&v, &req("base")).unwrap(), vec![1, 0]);
+        // Kills since the last count are unknown too: recent creates never make a node full.
+        v[1].sandboxes = 9;
+        v[1].recent = 5;
+        assert_eq!(rank(&v, &req("base")).unwrap().len(), 2);
     }
 
     #[test]

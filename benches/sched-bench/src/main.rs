@@ -123,6 +123,7 @@ async fn main() -> anyhow::Result<()> {
             ready: s.ready,
             cordoned: s.cordoned,
             sandboxes: s.sandboxes,
+            recent: 0,
             max_sandboxes: s.max,
             free_memory_mib: s.free_mib,
             total_memory_mib: 65536,
