@@ -150,53 +150,35 @@ impl AgentClient {
 
     /// `GET /health` once.
     pub async fn health(&self) -> Result<(), AgentError> {
+        self.health_at("/health").await
+    }
+
+    async fn health_at(&self, path: &str) -> Result<(), AgentError> {
         let (st, body) = self
-            .request("GET", "/health", &[], vec![], Duration::from_secs(2))
+            .request("GET", path, &[], vec![], Duration::from_secs(2))
             .await?;
         if (200..300).contains(&st) {
             Ok(())
         } else {
             Err(AgentError::Status {
-                path: "/health".into(),
+                path: path.into(),
                 status: st,
                 body: String::from_utf8_lossy(&body).into(),
             })
         }
     }
 
-    /// Polls `/health?warm` until the agent's start-up work (the code interpreter's
-    /// pre-started worker) is done: a pooled sandbox is then as warm as it will get. Agents
-    /// without such work answer at once.
-    pub async fn wait_warm(&self, timeout: Duration) -> Result<(), AgentError> {
-        let start = Instant::now();
-        let mut delay = Duration::from_millis(1);
-        loop {
-            let (st, body) = self
-                .request("GET", "/health?warm", &[], vec![], Duration::from_secs(2))
-                .await?;
-            if (200..300).contains(&st) {
-                return Ok(());
-            }
-            if start.elapsed() >= timeout {
-                return Err(AgentError::Timeout(
-                    timeout,
-                    format!(
-                        "still warming up (/health?warm: {st} {})",
-                        String::from_utf8_lossy(&body)
-                    ),
-                ));
-            }
-            tokio::time::sleep(delay).await;
-            delay = (delay * 2).min(Duration::from_millis(10));
-        }
-    }
-
-    /// Polls `/health` until it answers 2xx or the deadline passes.
-    pub async fn wait_healthy(&self, timeout: Duration) -> Result<(), AgentError> {
+    /// Polls `path` until it answers 2xx or the deadline passes, backing off up to `max_delay`.
+    async fn poll_health(
+        &self,
+        path: &str,
+        timeout: Duration,
+        max_delay: Duration,
+    ) -> Result<(), AgentError> {
         let start = Instant::now();
         let mut delay = Duration::from_micros(200);
         loop {
-            let err = match self.health().await {
+            let err = match self.health_at(path).await {
                 Ok(()) => return Ok(()),
                 Err(e) => e,
             };
@@ -204,9 +186,24 @@ impl AgentClient {
                 return Err(AgentError::Timeout(timeout, err.to_string()));
             }
             tokio::time::sleep(delay).await;
-            // A refused connect costs microseconds; a long backoff would dominate create latency.
-            delay = (delay * 2).min(Duration::from_millis(1));
+            delay = (delay * 2).min(max_delay);
         }
+    }
+
+    /// Polls `/health` until it answers 2xx or the deadline passes.
+    pub async fn wait_healthy(&self, timeout: Duration) -> Result<(), AgentError> {
+        // A refused connect costs microseconds; a long backoff would dominate create latency.
+        self.poll_health("/health", timeout, Duration::from_millis(1))
+            .await
+    }
+
+    /// Polls `/health?warm` until the agent serves and its start-up work (the code
+    /// interpreter's pre-started worker) is done: a pooled sandbox is then as warm as it will
+    /// get. Agents without such work answer as soon as they serve.
+    pub async fn wait_warm(&self, timeout: Duration) -> Result<(), AgentError> {
+        // Warming up takes a Python start (~100 ms): no need to poll every millisecond.
+        self.poll_health("/health?warm", timeout, Duration::from_millis(10))
+            .await
     }
 
     /// `POST /init`.

@@ -1614,16 +1614,12 @@ impl Node {
                 .apply_policy(&ep, &Policy::default())
                 .map_err(internal("network policy"))?;
             self.save(&dirname, &st)?;
-            let agent = self.agent(&ep, st.host_addr);
-            let ready = Duration::from_millis(u64::from(self.cfg.sandbox.ready_timeout_ms));
-            agent
-                .wait_healthy(ready)
-                .await
-                .map_err(|e| NodeError::DeadlineExceeded(e.to_string()))?;
             // Pooled only once warm (a code-interpreter template's Python worker is up), so the
             // create that takes it finds nothing left to start.
-            agent
-                .wait_warm(ready)
+            self.agent(&ep, st.host_addr)
+                .wait_warm(Duration::from_millis(u64::from(
+                    self.cfg.sandbox.ready_timeout_ms,
+                )))
                 .await
                 .map_err(|e| NodeError::DeadlineExceeded(e.to_string()))?;
             Ok(())
