@@ -474,7 +474,9 @@ impl pb::node_server::Node for NodeService {
             kvm_kind: crate::node::kvm_kind(),
             capacity: Some(cap),
             allocated: Some(alloc),
-            sandboxes: list.len() as u32,
+            // Every sandbox, creating ones too (the master's in-flight count relies on it);
+            // only the allocation sums skip the ones mid-operation.
+            sandboxes: n.count() as u32,
             templates,
             pools: n
                 .pool_levels()
