@@ -32,6 +32,13 @@ file "$CUBE_AGENT_BIN" 2>/dev/null | grep -Eq 'statically linked|static-pie link
 step "build"
 cargo build --quiet --workspace --all-targets
 
+step "guest kernel: build (cached by its inputs) and check"
+KOUT=${CUBE_KERNEL_OUT:-/var/cache/cube/guest-kernel/out}
+bash deploy/guest-kernel/build.sh --out "$KOUT"
+bash deploy/guest-kernel/check.sh "$KOUT/vmlinux"
+# The Linux-guest microVM tests boot it (cube-shim/tests/linux_guest.rs).
+export CUBE_GUEST_KERNEL="$KOUT/vmlinux"
+
 step "Rust tests"
 # cube-master's database tests run on SQLite and on the Debian PostgreSQL cluster.
 CUBE_TEST_PG_URL="$(bash deploy/postgres-test.sh)"
@@ -47,10 +54,7 @@ for req in tests/requirements-*.txt; do
     "$CUBE_VENV_ROOT/$name/bin/python" -m pytest -q -p no:cacheprovider "tests/$name"
 done
 
-step "guest kernel: build (cached by its inputs), check, self-test, boot to init under QEMU"
-KOUT=${CUBE_KERNEL_OUT:-/var/cache/cube/guest-kernel/out}
-bash deploy/guest-kernel/build.sh --out "$KOUT"
-bash deploy/guest-kernel/check.sh "$KOUT/vmlinux"
+step "guest kernel: script self-tests, boot to init under QEMU"
 bash deploy/guest-kernel/selftest.sh "$KOUT/vmlinux"
 # This host's KVM is PVM (no VMX/SVM), so the boot test uses QEMU's emulator (TCG); on a host
 # with hardware KVM it uses KVM.

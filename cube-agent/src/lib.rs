@@ -22,4 +22,5 @@ pub mod state;
 pub mod sys_http;
 pub mod users;
 pub mod version;
+pub mod vsock_init;
 pub mod watch;

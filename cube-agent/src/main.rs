@@ -2,7 +2,9 @@
 
 use anyhow::Context;
 use clap::{Parser, ValueEnum};
-use cube_agent::{config::Config, init, reaper, server, state::AgentState, users, version};
+use cube_agent::{
+    config::Config, init, reaper, server, state::AgentState, users, version, vsock_init,
+};
 use std::path::PathBuf;
 
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
@@ -48,9 +50,22 @@ fn main() {
                 .unwrap_or(tracing::Level::INFO),
         )
         .init();
-    let cli = Cli::parse();
     // SAFETY: getpid cannot fail.
     let is_pid1 = unsafe { libc::getpid() } == 1;
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        // As a VM's init the kernel passes its unknown parameters (`nopv`, ...) as arguments:
+        // ignore them (settings come from the environment) rather than exit, which would panic
+        // the kernel.
+        Err(e) if is_pid1 && e.kind() != clap::error::ErrorKind::DisplayHelp => {
+            tracing::warn!(
+                "ignoring arguments: {}",
+                e.to_string().lines().next().unwrap_or("")
+            );
+            Cli::parse_from(["cube-agent"])
+        }
+        Err(e) => e.exit(),
+    };
     let is_init = match cli.init {
         InitMode::Auto => is_pid1,
         InitMode::Always => true,
@@ -100,6 +115,21 @@ async fn start_interpreter(
     tokio::spawn(cube_agent::interpreter::serve(listener, interp));
 }
 
+/// Points stdout and stderr at the kernel log.
+fn log_to_kmsg() {
+    use std::os::fd::AsRawFd;
+    match std::fs::OpenOptions::new().write(true).open("/dev/kmsg") {
+        Ok(f) => {
+            // SAFETY: dup2 onto the standard descriptors; `f` stays open until both are done.
+            unsafe {
+                libc::dup2(f.as_raw_fd(), 1);
+                libc::dup2(f.as_raw_fd(), 2);
+            }
+        }
+        Err(e) => tracing::warn!("/dev/kmsg: {e}"),
+    }
+}
+
 fn run(cli: &Cli, is_init: bool) -> anyhow::Result<()> {
     let mut cfg = match Config::load(&cli.config) {
         Ok(c) => c,
@@ -109,8 +139,17 @@ fn run(cli: &Cli, is_init: bool) -> anyhow::Result<()> {
         }
         Err(e) => return Err(e).context("loading config"),
     };
+    let mut vsock_init = None;
     if is_init {
         init::run(&cfg);
+        vsock_init = std::fs::read_to_string("/proc/cmdline")
+            .ok()
+            .and_then(|c| vsock_init::port_from_cmdline(&c));
+        if vsock_init.is_some() {
+            // In a microVM the console is a UART that a restored copy may not have: an
+            // interrupt-driven tty write would then block forever, printk (polled) does not.
+            log_to_kmsg();
+        }
     }
     if let Some(p) = cli.interpreter_port {
         cfg.interpreter.enabled = true;
@@ -147,6 +186,10 @@ fn run(cli: &Cli, is_init: bool) -> anyhow::Result<()> {
             "cube-agent serving envd"
         );
         let state = AgentState::new(default_user, is_init);
+        if let Some(port) = vsock_init {
+            // After the listener is bound: the host snapshots templates at the first `redy`.
+            vsock_init::spawn(state.clone(), port);
+        }
         if cfg.interpreter.enabled {
             start_interpreter(&cfg.interpreter, state.clone()).await;
         }

@@ -99,43 +99,71 @@ pub async fn init(state: &Shared, headers: &HeaderMap, body: &mut Incoming) -> R
         },
         None => None,
     };
+    let upd = InitUpdate {
+        env_vars: req.env_vars,
+        access_token: req.access_token,
+        default_user,
+        default_workdir: req.default_workdir,
+        timestamp: ts,
+        entropy,
+    };
+    if let Err(e) = apply_init(state, upd) {
+        return http_error(500, e);
+    }
+    with_version(server::empty(204))
+}
+
+/// What one `/init` (HTTP, or the microVM's vsock init channel) changes, already validated.
+#[derive(Debug, Default)]
+pub struct InitUpdate {
+    pub env_vars: Option<HashMap<String, String>>,
+    /// `Some("")` clears the token.
+    pub access_token: Option<String>,
+    pub default_user: Option<String>,
+    pub default_workdir: Option<String>,
+    pub timestamp: Option<SystemTime>,
+    pub entropy: Option<Vec<u8>>,
+}
+
+/// Applies an init: session settings (unless older than the last applied one), the clock (as
+/// init only) and entropy.
+pub fn apply_init(state: &Shared, upd: InitUpdate) -> Result<(), String> {
+    let ts = upd.timestamp;
     {
         let Ok(mut s) = state.session.write() else {
-            return http_error(500, "state lock poisoned");
+            return Err("state lock poisoned".into());
         };
         // Newer wins: a delayed retry of an older /init must not undo a newer one.
         let stale = matches!((ts, s.last_init), (Some(new), Some(old)) if new < old);
-        if !stale {
+        if stale {
+            tracing::info!("ignoring /init older than the last applied one");
+        } else {
             if let Some(t) = ts {
                 s.last_init = Some(t);
             }
-            if let Some(env) = req.env_vars {
+            if let Some(env) = upd.env_vars {
                 s.env_vars = env;
             }
-            if let Some(tok) = req.access_token {
+            if let Some(tok) = upd.access_token {
                 s.access_token = if tok.is_empty() { None } else { Some(tok) };
             }
-            if let Some(u) = default_user {
+            if let Some(u) = upd.default_user {
                 s.default_user = u;
             }
-            if let Some(w) = req.default_workdir {
+            if let Some(w) = upd.default_workdir {
                 s.default_workdir = if w.is_empty() { None } else { Some(w) };
             }
-        } else {
-            tracing::info!("ignoring /init older than the last applied one");
-        }
-        if !stale {
             if let Some(t) = ts {
                 maybe_set_clock(state.is_init, t);
             }
         }
     }
-    if let Some(bytes) = entropy {
+    if let Some(bytes) = upd.entropy {
         if let Err(e) = add_entropy(&bytes[..bytes.len().min(MAX_ENTROPY_BYTES)]) {
             tracing::warn!("could not add entropy: {e}");
         }
     }
-    with_version(server::empty(204))
+    Ok(())
 }
 
 /// Sets the realtime clock when it drifted. Only as init: the same agent runs on developer hosts

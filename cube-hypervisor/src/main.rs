@@ -294,6 +294,12 @@ fn main() -> Result<()> {
                 }
             }
             vm.pause()?;
+            // Where the guest was when it stopped: how a stalled boot is diagnosed.
+            for id in 0..usize::from(vcpus) {
+                if let Ok(r) = vm.regs(id) {
+                    eprintln!("vCPU {id} stopped at rip {:#x}", r.rip);
+                }
+            }
             if let Some(dir) = snapshot {
                 let mut devices = BTreeMap::new();
                 let state = serial

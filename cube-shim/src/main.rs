@@ -56,6 +56,23 @@ struct Args {
     /// Build mode: how long the guest may take to become ready (ms).
     #[arg(long, default_value_t = 30_000)]
     build_timeout_ms: u64,
+    /// Build mode: boot this Linux kernel (cube-agent as init) instead of the agent stand-in.
+    #[arg(long, requires = "build_template")]
+    kernel: Option<PathBuf>,
+    /// Build mode: the template's kernel arguments (devices, the init channel and host
+    /// workarounds are appended).
+    #[arg(
+        long,
+        requires = "kernel",
+        default_value = "console=ttyS0 reboot=k panic=1 pci=off root=/dev/vda rw init=/sbin/init"
+    )]
+    cmdline: String,
+    /// Build mode: an initramfs for --kernel.
+    #[arg(long, requires = "kernel")]
+    initramfs: Option<PathBuf>,
+    /// Build mode: write the guest's console output here.
+    #[arg(long, requires = "kernel")]
+    console: Option<PathBuf>,
 }
 
 fn parse_mac(s: &str) -> anyhow::Result<[u8; 6]> {
@@ -87,8 +104,17 @@ fn run(args: Args) -> anyhow::Result<()> {
     let shape = Shape::new(args.vcpus, args.mem_mib);
     if let Some(out) = &args.build_template {
         let mac = args.net_mac.as_deref().map(parse_mac).transpose()?;
+        let kind = match &args.kernel {
+            Some(k) => cube_shim::template::GuestKind::Linux(cube_shim::template::LinuxBoot {
+                kernel: k.clone(),
+                cmdline: args.cmdline.clone(),
+                initramfs: args.initramfs.clone(),
+                console: args.console.clone(),
+            }),
+            None => cube_shim::template::GuestKind::AgentStandin,
+        };
         let spec = cube_shim::template::BuildSpec {
-            kind: cube_shim::template::GuestKind::AgentStandin,
+            kind,
             shape,
             disk: args.disk.as_deref(),
             net_mac: mac,

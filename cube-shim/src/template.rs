@@ -47,9 +47,50 @@ pub mod guests {
     include!(concat!(env!("OUT_DIR"), "/shim_guests.rs"));
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum GuestKind {
     AgentStandin,
+    /// A Linux kernel whose init is cube-agent: ready once the agent asks for its init
+    /// payload over vsock (see `cube-agent/src/vsock_init.rs`).
+    Linux(LinuxBoot),
+}
+
+/// What a Linux template build boots.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LinuxBoot {
+    /// A PVH `vmlinux` (or bzImage).
+    pub kernel: std::path::PathBuf,
+    /// The template's own arguments (root device, init, quiet...); the device list, the init
+    /// channel and host workarounds are appended by [`linux_cmdline`].
+    pub cmdline: String,
+    pub initramfs: Option<std::path::PathBuf>,
+    /// Guest console output (the build's log), if wanted.
+    pub console: Option<std::path::PathBuf>,
+}
+
+/// Kernel arguments a PVM host needs (its KVM emulates guest kernel mode for kernels that are
+/// not PVM-enlightened, and that emulator cannot execute CMPXCHG16B, POPCNT, XSAVE/XRSTOR,
+/// CLAC/STAC, INT3 or VMCALL): hide those features, skip paravirt hypercalls, and turn on the
+/// guest kernel's `cube_pvm` patch (deploy/guest-kernel/patches/).
+pub const PVM_CMDLINE: &str = "cube_pvm clearcpuid=cx16,popcnt,smap noxsave nopv";
+
+/// The full command line of a Linux template: the template's arguments, one
+/// `virtio_mmio.device=` per attached device, the init channel port, and on PVM hosts
+/// [`PVM_CMDLINE`].
+pub fn linux_cmdline(base: &str, devices: &[(u64, u32)], pvm: bool) -> String {
+    let mut c = base.trim().to_string();
+    for (addr, gsi) in devices {
+        c.push_str(&format!(
+            " virtio_mmio.device={}K@{addr:#x}:{gsi}",
+            MMIO_WINDOW_SIZE / 1024
+        ));
+    }
+    c.push_str(&format!(" cube.vsock_init={STANDIN_INIT_PORT}"));
+    if pvm {
+        c.push(' ');
+        c.push_str(PVM_CMDLINE);
+    }
+    c
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -106,20 +147,30 @@ type StateFn = Box<dyn Fn() -> Result<Vec<u8>, BuildError>>;
 /// Boots the guest, waits for its ready point and snapshots it into `out` (which must not
 /// exist; it is written atomically by the hypervisor's snapshot code).
 pub fn build(spec: &BuildSpec<'_>, out: &Path) -> Result<cube_hypervisor::Manifest, BuildError> {
-    let GuestKind::AgentStandin = spec.kind;
     let vmm = Vmm::new()?;
     let mut vm = vmm.create_vm(spec.shape)?;
-    vm.load_test_guest(guests::AGENT_STANDIN)?;
-    vm.write_u64(test_guests::PARAMS_ADDR, VSOCK_MMIO_BASE)?;
-    vm.write_u64(test_guests::PARAMS_ADDR + 8, u64::from(STANDIN_INIT_PORT))?;
-    mask_pic(&vm)?;
+    let linux = match &spec.kind {
+        GuestKind::AgentStandin => {
+            vm.load_test_guest(guests::AGENT_STANDIN)?;
+            vm.write_u64(test_guests::PARAMS_ADDR, VSOCK_MMIO_BASE)?;
+            vm.write_u64(test_guests::PARAMS_ADDR + 8, u64::from(STANDIN_INIT_PORT))?;
+            mask_pic(&vm)?;
+            None
+        }
+        GuestKind::Linux(boot) => Some(boot),
+    };
     let mut devices = DeviceStates::new();
     let mut states: Vec<(&str, StateFn)> = Vec::new();
     // The build's vsock socket lives in a private scratch dir under the temp dir: template dirs
     // can be deeper than a unix socket path allows (108 bytes).
     let sock_dir = scratch_dir()?;
     if let Some(disk) = spec.disk {
-        let f = std::fs::File::open(disk)?;
+        // A Linux guest mounts its root read-write: the build works on the copy that sandboxes
+        // are later cloned from, so disk and memory stay consistent.
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(linux.is_some())
+            .open(disk)?;
         let irq = IrqLine::new(BLOCK_GSI)?;
         vm.register_irq(&irq)?;
         let t = MmioTransport::new(Block::new(f, false, "rootfs")?, vm.memory().clone(), irq)
@@ -159,12 +210,35 @@ pub fn build(spec: &BuildSpec<'_>, out: &Path) -> Result<cube_hypervisor::Manife
     .map_err(dev_err("virtio-vsock"))?;
     let vs = Arc::new(Mutex::new(vs));
     vm.add_mmio_device(VSOCK_MMIO_BASE, MMIO_WINDOW_SIZE, vs.clone())?;
-    let report = vm.run_until(spec.timeout)?;
-    if report.outcome != RunOutcome::PausePoint(STANDIN_READY) {
-        return Err(BuildError::NotReady(format!(
-            "{:?}, checkpoints {:x?}",
-            report.outcome, report.checkpoints
-        )));
+    // Held until the snapshot is written: the agent must not see its request answered or closed.
+    let mut _ready_conn = None;
+    if let Some(boot) = linux {
+        let mut mmio = Vec::new();
+        if spec.disk.is_some() {
+            mmio.push((BLOCK_MMIO_BASE, BLOCK_GSI));
+        }
+        if spec.net_mac.is_some() {
+            mmio.push((NET_MMIO_BASE, NET_GSI));
+        }
+        mmio.push((VSOCK_MMIO_BASE, VSOCK_GSI));
+        let listener = std::os::unix::net::UnixListener::bind(
+            sock_dir.path().join(format!("v.sock_{STANDIN_INIT_PORT}")),
+        )?;
+        _ready_conn = Some(boot_linux(
+            &mut vm,
+            boot,
+            &linux_cmdline(&boot.cmdline, &mmio, vmm.is_pvm()),
+            &listener,
+            spec.timeout,
+        )?);
+    } else {
+        let report = vm.run_until(spec.timeout)?;
+        if report.outcome != RunOutcome::PausePoint(STANDIN_READY) {
+            return Err(BuildError::NotReady(format!(
+                "{:?}, checkpoints {:x?}",
+                report.outcome, report.checkpoints
+            )));
+        }
     }
     if !vs.lock().unwrap_or_else(|e| e.into_inner()).is_active() {
         return Err(BuildError::NotReady("vsock device not active".into()));
@@ -174,6 +248,85 @@ pub fn build(spec: &BuildSpec<'_>, out: &Path) -> Result<cube_hypervisor::Manife
         devices.insert((*name).into(), f()?);
     }
     Ok(vm.snapshot(out, &devices)?)
+}
+
+/// Boots `boot` with `cmdline` and runs it until cube-agent connects to `listener` (the init
+/// channel) and says `redy`, then pauses the VM. Returns that connection (still open).
+fn boot_linux(
+    vm: &mut Vm,
+    boot: &LinuxBoot,
+    cmdline: &str,
+    listener: &std::os::unix::net::UnixListener,
+    timeout: Duration,
+) -> Result<std::os::unix::net::UnixStream, BuildError> {
+    use cube_hypervisor::devices::legacy::{
+        I8042, I8042_PORT_BASE, I8042_PORT_LEN, SERIAL_GSI, SERIAL_PORT_BASE, SERIAL_PORT_LEN,
+    };
+    use std::io::Read;
+    // Console and reset controller for the build only: restored copies have neither (the
+    // agent logs to the kernel log, whose console writes are polled, so a missing UART is
+    // harmless there).
+    let console: Box<dyn std::io::Write + Send> = match &boot.console {
+        Some(p) => Box::new(std::fs::File::create(p)?),
+        None => Box::new(std::io::sink()),
+    };
+    let irq = IrqLine::new(SERIAL_GSI)?;
+    vm.register_irq(&irq)?;
+    vm.add_pio_device(
+        SERIAL_PORT_BASE,
+        SERIAL_PORT_LEN,
+        Arc::new(Mutex::new(cube_hypervisor::devices::legacy::Serial::new(
+            irq, console,
+        ))),
+    )?;
+    let i8042 = I8042::new().map_err(|e| BuildError::Device(format!("i8042: {e}")))?;
+    let reset = i8042.reset_evt().try_clone()?;
+    vm.add_pio_device(I8042_PORT_BASE, I8042_PORT_LEN, Arc::new(Mutex::new(i8042)))?;
+    vm.load_kernel(&cube_hypervisor::loader::KernelConfig {
+        kernel: boot.kernel.clone(),
+        cmdline: cmdline.to_string(),
+        initramfs: boot.initramfs.clone(),
+    })?;
+    listener.set_nonblocking(true)?;
+    let deadline = std::time::Instant::now() + timeout;
+    vm.resume()?;
+    let result = loop {
+        if std::time::Instant::now() >= deadline {
+            break Err(BuildError::NotReady(format!(
+                "cube-agent did not ask for its init within {timeout:?}"
+            )));
+        }
+        if reset.read().is_ok() {
+            break Err(BuildError::NotReady(
+                "the guest reset itself (kernel panic?)".into(),
+            ));
+        }
+        match vm.next_event(Duration::from_millis(20))? {
+            Some((id, cube_hypervisor::VcpuEvent::Error(e))) => {
+                break Err(BuildError::NotReady(format!("vCPU {id}: {e}")))
+            }
+            Some((_, cube_hypervisor::VcpuEvent::Shutdown)) => {
+                break Err(BuildError::NotReady("the guest shut down".into()))
+            }
+            _ => {}
+        }
+        match listener.accept() {
+            Ok((mut c, _)) => {
+                c.set_nonblocking(false)?;
+                c.set_read_timeout(Some(Duration::from_secs(10)))?;
+                let mut hello = [0u8; 4];
+                match c.read_exact(&mut hello) {
+                    Ok(()) if &hello == b"redy" => break Ok(c),
+                    Ok(()) => tracing::warn!(?hello, "unexpected init hello during build"),
+                    Err(e) => tracing::warn!("init connection during build: {e}"),
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => break Err(e.into()),
+        }
+    };
+    vm.pause()?;
+    result
 }
 
 fn encode<D: cube_hypervisor::devices::virtio::VirtioDevice>(

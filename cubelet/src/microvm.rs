@@ -511,20 +511,28 @@ impl InitResponder {
         std::thread::Builder::new()
             .name("init".into())
             .stack_size(256 << 10)
-            .spawn(move || loop {
-                let r = l2.accept();
-                if s2.load(std::sync::atomic::Ordering::SeqCst) {
-                    return;
-                }
-                let sent = match r {
-                    Ok((conn, _)) => tx.send(serve_init(conn, &body)),
-                    Err(e) => {
-                        std::thread::sleep(Duration::from_millis(10));
-                        tx.send(Err(format!("accept: {e}")))
+            .spawn(move || {
+                // The last acknowledged connection stays open: cube-agent waits on it and asks
+                // again only once it ends (a restore or resume resets it).
+                let mut _held = None;
+                loop {
+                    let r = l2.accept();
+                    if s2.load(std::sync::atomic::Ordering::SeqCst) {
+                        return;
                     }
-                };
-                if sent.is_err() {
-                    return;
+                    let sent = match r {
+                        Ok((conn, _)) => tx.send(serve_init(conn, &body).map(|(p, c)| {
+                            _held = Some(c);
+                            p
+                        })),
+                        Err(e) => {
+                            std::thread::sleep(Duration::from_millis(10));
+                            tx.send(Err(format!("accept: {e}")))
+                        }
+                    };
+                    if sent.is_err() {
+                        return;
+                    }
                 }
             })?;
         Ok(InitResponder {
@@ -568,7 +576,7 @@ impl Drop for InitResponder {
 fn serve_init(
     mut conn: std::os::unix::net::UnixStream,
     body: &InitBody,
-) -> Result<InitPayload, String> {
+) -> Result<(InitPayload, std::os::unix::net::UnixStream), String> {
     conn.set_read_timeout(Some(Duration::from_secs(10)))
         .map_err(|e| e.to_string())?;
     let mut hello = [0u8; 4];
@@ -581,11 +589,12 @@ fn serve_init(
     let bytes = p.encode().map_err(|e| e.to_string())?;
     conn.write_all(&bytes)
         .map_err(|e| format!("send init: {e}"))?;
-    // The guest shuts the connection down once it has the payload.
+    // The guest shuts its side down (the stand-in all of it, cube-agent only for writing)
+    // once it has applied the payload.
     let mut rest = Vec::new();
     conn.read_to_end(&mut rest)
         .map_err(|e| format!("wait for the guest's acknowledgement: {e}"))?;
-    Ok(p)
+    Ok((p, conn))
 }
 
 #[cfg(test)]

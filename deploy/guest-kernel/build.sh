@@ -36,7 +36,7 @@ print_key=0
 
 # Packages the build needs (Debian names). dwarves (pahole) only matters if BTF
 # is ever enabled; it is listed so adding CONFIG_DEBUG_INFO_BTF just works.
-build_packages=(build-essential bc bison flex libelf-dev libssl-dev dwarves cpio xz-utils binutils)
+build_packages=(build-essential bc bison flex libelf-dev libssl-dev dwarves cpio xz-utils binutils patch)
 
 die() { echo "build.sh: error: $*" >&2; exit 1; }
 log() { echo "build.sh: $*" >&2; }
@@ -96,6 +96,10 @@ source_identity() {
 	fi
 }
 src_id=$(source_identity)
+# Source patches (patches/*.patch, applied in name order with -p1): see patches/README.md.
+shopt -s nullglob
+patches=("$here"/patches/*.patch)
+shopt -u nullglob
 toolchain="$(gcc --version | head -n1); $(ld --version | head -n1)"
 key=$( {
 	echo "cube-guest-kernel"
@@ -103,6 +107,7 @@ key=$( {
 	echo "toolchain: $toolchain"
 	echo "--- fragment"; cat "$fragment"
 	echo "--- recipe"; cat "${BASH_SOURCE[0]}"
+	for p in "${patches[@]}"; do echo "--- patch $(basename "$p")"; cat "$p"; done
 } | sha256sum | cut -c1-16)
 
 if ((print_key)); then
@@ -173,6 +178,10 @@ xz -T"$jobs" -dc "$source_tarball" |
 	die "unpacking $source_tarball failed"
 [[ -f "$src/Makefile" && -f "$src/scripts/kconfig/merge_config.sh" ]] ||
 	die "$source_tarball does not look like a kernel source tree"
+for p in "${patches[@]}"; do
+	log "applying $(basename "$p")"
+	patch -s -p1 -d "$src" <"$p" || die "patch $p does not apply"
+done
 t_unpack=$(date +%s.%N)
 
 kmake() { make -C "$src" ARCH=x86_64 "$@"; }

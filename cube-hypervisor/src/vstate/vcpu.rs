@@ -399,6 +399,9 @@ fn vcpu_loop(s: Arc<VcpuShared>, ctx: ExitContext) {
                 break None;
             }
             let outcome = match fd.run() {
+                Ok(VcpuExit::InternalError) => {
+                    Outcome::Park(Some(VcpuEvent::Error(describe_internal_error(&mut fd))))
+                }
                 Ok(exit) => handle_exit(s.id, exit, &ctx),
                 Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
                     fd.set_kvm_immediate_exit(0);
@@ -444,6 +447,23 @@ fn complete_pending_io(fd: &mut VcpuFd) {
         Err(e) => tracing::debug!("completing pending I/O: {e}"),
         Ok(exit) => tracing::debug!("completing pending I/O returned an exit: {exit:?}"),
     }
+}
+
+/// What KVM says about an internal error (suberror 1 is an instruction it could not emulate),
+/// with the guest's RIP: without them such an exit cannot be diagnosed.
+fn describe_internal_error(fd: &mut VcpuFd) -> String {
+    // SAFETY: the last exit was KVM_EXIT_INTERNAL_ERROR, so `internal` is the active member.
+    let (sub, data) = unsafe {
+        let i = &fd.get_kvm_run().__bindgen_anon_1.internal;
+        let n = (i.ndata as usize).min(i.data.len());
+        (i.suberror, i.data[..n].to_vec())
+    };
+    let rip = fd.get_regs().map(|r| r.rip).unwrap_or(0);
+    let data: Vec<String> = data.iter().map(|d| format!("{d:#x}")).collect();
+    format!(
+        "KVM internal error: suberror {sub}, data [{}], rip {rip:#x}",
+        data.join(", ")
+    )
 }
 
 enum Outcome {
@@ -509,9 +529,6 @@ fn handle_exit(id: usize, exit: VcpuExit<'_>, ctx: &ExitContext) -> Outcome {
         VcpuExit::FailEntry(reason, cpu) => Outcome::Park(Some(VcpuEvent::Error(format!(
             "entry failed: reason {reason:#x} on cpu {cpu}"
         )))),
-        VcpuExit::InternalError => {
-            Outcome::Park(Some(VcpuEvent::Error("KVM internal error".into())))
-        }
         other => Outcome::Park(Some(VcpuEvent::Error(format!("unhandled exit {other:?}")))),
     }
 }
