@@ -30,9 +30,27 @@ use crate::config::MicroVmConfig;
 pub const RUNTIME_NAME: &str = "microvm";
 /// `microvm.guest` value selecting the shim's agent stand-in test guest.
 pub const STANDIN_GUEST: &str = "agent-standin";
-/// Whether this build can boot Linux templates in microVMs (PVH kernel + rootfs + cube-agent
-/// reached over the tap). Not yet: the shim restores only snapshots made by its own builder.
-pub const LINUX_GUEST_SUPPORTED: bool = false;
+/// Kernel arguments of a Linux template (the shim appends devices, the init channel and, on
+/// PVM hosts, its workarounds). cube-agent is the template's init.
+pub const LINUX_CMDLINE: &str =
+    "console=ttyS0 reboot=k panic=1 pci=off quiet root=/dev/vda rw init=/sbin/cube-agent";
+/// Name of the disk a Linux template snapshot was taken with, inside its snapshot directory:
+/// sandboxes are cloned from it (it matches the memory image), not from the template's image.
+pub const SNAPSHOT_DISK: &str = "disk.img";
+/// How long a Linux template build may take to boot to cube-agent's first init request (on PVM
+/// hosts guest kernel mode is emulated: about 25 s).
+const LINUX_BUILD_TIMEOUT_MS: u64 = 300_000;
+/// The boot parameter of the guest kernel's PVM patch (deploy/guest-kernel/patches/).
+const PVM_PATCH_MARKER: &[u8] = b"cube_pvm";
+
+/// Whether a kernel image carries the `cube_pvm` patch (its parameter name is in the image).
+pub fn kernel_has_pvm_patch(kernel: &Path) -> bool {
+    let Ok(b) = std::fs::read(kernel) else {
+        return false;
+    };
+    b.windows(PVM_PATCH_MARKER.len() + 1)
+        .any(|w| &w[..PVM_PATCH_MARKER.len()] == PVM_PATCH_MARKER && w[PVM_PATCH_MARKER.len()] == 0)
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum MicroVmError {
@@ -87,19 +105,15 @@ pub fn can_run(kvm_kind: &str, guest: &Guest, shim: &Path) -> Result<(), String>
     match guest {
         Guest::Standin => Ok(()),
         Guest::Linux(k) => {
-            if kvm_kind != "hardware" {
-                return Err(format!(
-                    "/dev/kvm is {kvm_kind} (no VMX/SVM): a Linux guest kernel cannot boot usefully here"
-                ));
-            }
             if !k.exists() {
                 return Err(format!("guest kernel {} not found", k.display()));
             }
-            if !LINUX_GUEST_SUPPORTED {
-                return Err(
-                    "this build cannot boot Linux templates in microVMs yet (see deploy/guest-kernel/linux-e2e.sh)"
-                        .into(),
-                );
+            // PVM emulates guest kernel mode; a stock kernel stops before user space there.
+            if kvm_kind == "pvm" && !kernel_has_pvm_patch(k) {
+                return Err(format!(
+                    "/dev/kvm is PVM (no VMX/SVM) and guest kernel {} lacks the cube_pvm patch (build it with deploy/guest-kernel/build.sh)",
+                    k.display()
+                ));
             }
             Ok(())
         }
@@ -349,14 +363,20 @@ pub fn build_snapshot(
     disk: Option<&Path>,
     guest_mac: [u8; 6],
 ) -> Result<(), MicroVmError> {
-    if let Guest::Linux(k) = guest {
-        return Err(MicroVmError::Build(format!(
-            "booting Linux ({}) into a template snapshot is not implemented in this build",
-            k.display()
-        )));
-    }
     let staging = out.with_extension(format!("tmp{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&staging);
+    // A Linux guest boots (and writes) a clone of the template's image; that clone, as it was at
+    // the snapshot, is what its sandboxes are cloned from.
+    let linux_disk = match (guest, disk) {
+        (Guest::Linux(_), Some(d)) => {
+            let c = out.with_extension(format!("disk{}", std::process::id()));
+            let _ = std::fs::remove_file(&c);
+            crate::storage::clone_file(d, &c)
+                .map_err(|e| MicroVmError::Build(format!("clone {}: {e}", d.display())))?;
+            Some(c)
+        }
+        _ => None,
+    };
     let mac = guest_mac
         .iter()
         .map(|b| format!("{b:02x}"))
@@ -373,17 +393,36 @@ pub fn build_snapshot(
         .arg(&mac)
         .env_clear()
         .env("RUST_LOG", "warn");
-    if let Some(d) = disk {
+    if let Some(d) = linux_disk.as_deref().or(disk) {
         cmd.arg("--disk").arg(d);
+    }
+    let console = out.with_extension("console.log");
+    if let Guest::Linux(k) = guest {
+        cmd.arg("--kernel")
+            .arg(k)
+            .arg("--cmdline")
+            .arg(LINUX_CMDLINE)
+            .arg("--console")
+            .arg(&console)
+            .arg("--build-timeout-ms")
+            .arg(LINUX_BUILD_TIMEOUT_MS.to_string());
     }
     let o = cmd
         .output()
         .map_err(|e| MicroVmError::Build(format!("run {}: {e}", shim.display())))?;
     if !o.status.success() {
         let _ = std::fs::remove_dir_all(&staging);
-        return Err(MicroVmError::Build(
-            String::from_utf8_lossy(&o.stderr).trim().to_string(),
-        ));
+        if let Some(c) = &linux_disk {
+            let _ = std::fs::remove_file(c);
+        }
+        let mut msg = String::from_utf8_lossy(&o.stderr).trim().to_string();
+        if linux_disk.is_some() {
+            msg.push_str(&format!(" (guest console: {})", console.display()));
+        }
+        return Err(MicroVmError::Build(msg));
+    }
+    if let Some(c) = &linux_disk {
+        std::fs::rename(c, staging.join(SNAPSHOT_DISK))?;
     }
     // Replacing an older snapshot: sandboxes restored from it keep the old files (mapped).
     if out.exists() {
@@ -617,10 +656,10 @@ mod tests {
         let kernel = d.path().join("vmlinux");
         std::fs::write(&kernel, b"").unwrap();
         let k = kernel.to_str().unwrap();
-        // PVM cannot boot Linux: auto falls back, explicit microvm is refused.
+        // PVM cannot boot a stock Linux: auto falls back, explicit microvm is refused.
         let s = select("auto", "pvm", &cfg(k, &shim)).unwrap();
         assert_eq!(s.runtime, "namespace");
-        assert!(s.reason.contains("no VMX/SVM"), "{}", s.reason);
+        assert!(s.reason.contains("cube_pvm patch"), "{}", s.reason);
         assert!(select("microvm", "pvm", &cfg(k, &shim)).is_err());
         // The stand-in runs on any KVM.
         let s = select("auto", "pvm", &cfg(STANDIN_GUEST, &shim)).unwrap();
@@ -643,16 +682,16 @@ mod tests {
         let s = select("auto", "pvm", &cfg(STANDIN_GUEST, &missing)).unwrap();
         assert_eq!(s.runtime, "namespace");
         assert!(s.reason.contains("not found"));
-        // Hardware KVM with a kernel: only once this build boots Linux guests.
+        // Hardware KVM with a kernel: microvm.
         let s = select("auto", "hardware", &cfg(k, &shim)).unwrap();
+        assert_eq!(s.runtime, "microvm");
+        // PVM with a kernel that carries the cube_pvm patch: microvm too.
+        std::fs::write(&kernel, b"\x7fELF...cube_pvm\0...").unwrap();
         assert_eq!(
-            s.runtime,
-            if LINUX_GUEST_SUPPORTED {
-                "microvm"
-            } else {
-                "namespace"
-            }
+            select("auto", "pvm", &cfg(k, &shim)).unwrap().runtime,
+            "microvm"
         );
+        assert!(kernel_has_pvm_patch(&kernel));
         assert_eq!(
             select("namespace", "hardware", &cfg(k, &shim))
                 .unwrap()

@@ -329,6 +329,33 @@ impl Network {
             .await
             .map_err(nl("gateway neighbour"))?;
         drop(nsh);
+        self.host_end_up(ep, host_idx).await
+    }
+
+    /// A microVM's tap as an endpoint: the host end of the guest's virtio-net, configured and
+    /// handed to the switch like a veth's host end (no namespace: the VM is the guest side).
+    pub async fn tap_endpoint(&self, tap: &str) -> Result<Endpoint, NetError> {
+        let h = &self.handle;
+        let idx = Self::index_of(h, tap)
+            .await?
+            .ok_or_else(|| NetError::NoLink(tap.to_string()))?;
+        h.link()
+            .set(idx)
+            .address(self.identity.gateway_mac.to_vec())
+            .execute()
+            .await
+            .map_err(nl(format!("{tap} address")))?;
+        let ep = Endpoint {
+            key: tap.to_string(),
+            netns_path: PathBuf::new(),
+            host_if: tap.to_string(),
+            host_ifindex: idx,
+        };
+        self.host_end_up(ep, idx).await
+    }
+
+    async fn host_end_up(&self, ep: Endpoint, host_idx: u32) -> Result<Endpoint, NetError> {
+        let (id, h) = (&self.identity, &self.handle);
         // Host side: the gateway MAC, and no address when a switch isolates sandboxes: the
         // switch answers ARP for the gateway and routes the sandbox's own host address to this
         // interface, so nothing on the host is reachable through an address of this link.
@@ -369,6 +396,9 @@ impl Network {
             if let Err(e) = self.handle.link().del(idx).execute().await {
                 tracing::warn!(host_if, error = %e, "deleting veth");
             }
+        }
+        if netns_path.as_os_str().is_empty() {
+            return; // a microVM's tap
         }
         let c = cpath(netns_path);
         // SAFETY: valid C string; MNT_DETACH so a lingering user cannot block us.

@@ -596,6 +596,18 @@ impl Node {
                 .with_label_values(&["started", t])
                 .set(i64::from(*n));
         }
+        #[cfg(feature = "microvm")]
+        for (pool, t, ready, target) in self.microvm_pool_levels() {
+            let l = [pool.as_str(), t.as_str()];
+            self.metrics
+                .pool_ready
+                .with_label_values(&l)
+                .set(i64::from(ready));
+            self.metrics
+                .pool_target
+                .with_label_values(&l)
+                .set(i64::from(target));
+        }
     }
 
     fn resolve_shape(&self, s: Shape, template_bytes: u64) -> Result<Shape, NodeError> {

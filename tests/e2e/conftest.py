@@ -62,6 +62,25 @@ class Cube:
 
 @pytest.fixture(scope="session")
 def cube():
+    yield from _stack("namespace")
+
+
+def guest_kernel():
+    """The microVM guest kernel: $CUBE_GUEST_KERNEL, else deploy/guest-kernel/out/vmlinux."""
+    k = os.environ.get("CUBE_GUEST_KERNEL") or os.path.join(
+        os.path.dirname(__file__), "..", "..", "deploy", "guest-kernel", "out", "vmlinux")
+    if not os.path.exists(k):
+        pytest.fail(f"guest kernel {k} missing: build it with deploy/guest-kernel/build.sh")
+    return os.path.abspath(k)
+
+
+@pytest.fixture(scope="module")
+def cube_microvm():
+    """A second stack whose cubelet runs the microvm runtime with the Linux guest kernel."""
+    yield from _stack("microvm")
+
+
+def _stack(runtime):
     if os.geteuid() != 0:
         pytest.fail("tests/e2e needs root: cubelet creates namespaces, cgroups and loop mounts")
     cubelet, master, api, cubectl = (_bin(n) for n in ("cubelet", "cube-master", "cube-api", "cubectl"))
@@ -73,10 +92,12 @@ def cube():
     v = subprocess.run([agent, "--version"], capture_output=True, text=True)
     if v.returncode != 0 or "cube-agent" not in v.stdout:
         pytest.fail(f"{agent} does not run (--version: rc={v.returncode} {v.stderr.strip()!r})")
-    name = f"e2e{os.getpid()}"
+    name = f"e2e{os.getpid()}" + ("vm" if runtime == "microvm" else "")
     # The switch's node-level state is this test node's own: a host address pool that no other
     # test cubelet uses, its own bpffs pin root and masquerade table (removed at teardown).
     host_pool = os.environ.get("CUBE_E2E_HOST_POOL") or f"10.238.{os.getpid() % 254 + 1}.0/24"
+    if runtime == "microvm":
+        host_pool = f"10.239.{os.getpid() % 254 + 1}.0/24"
     pin_root = f"/tmp/cube-e2e-bpf-{name}"
     nft_table = f"cube_e2e_{name}".replace("-", "_")
     root = f"/var/tmp/cube-e2e-{name}"
@@ -91,8 +112,20 @@ def cube():
             shutil.copy(agent, stripped)
         g, h = _free_port(), _free_port()
         cfg = os.path.join(root, "cubelet.toml")
+        microvm = ""
+        if runtime == "microvm":
+            # One pre-spawned shim: the template's snapshot is built at start (a Linux boot).
+            microvm = f"""[microvm]
+shim_binary = "{_bin('cube-shim')}"
+guest = "{guest_kernel()}"
+taps = 2
+shims_per_template = 1
+[pools.started]
+{TEMPLATE} = 1
+"""
         with open(cfg, "w") as f:
-            f.write(f"""node_id = "{name}"
+            f.write(f"""runtime = "{runtime}"
+node_id = "{name}"
 grpc_addr = "127.0.0.1:{g}"
 http_addr = "127.0.0.1:{h}"
 data_dir = "{root}/data"
@@ -117,7 +150,7 @@ switch = "cube-vs"
 host_pool = "{host_pool}"
 pin_root = "{pin_root}"
 nft_table = "{nft_table}"
-""")
+{microvm}""")
         host = os.path.join(root, "hostroot")
         subprocess.run([cubelet, "host-root", host, "--programs", PROGRAMS], check=True,
                        stdout=subprocess.DEVNULL)
@@ -134,6 +167,12 @@ nft_table = "{nft_table}"
         pl = start([cubelet, "--config", cfg, "run", "--kill-sandboxes-on-exit"], "cubelet.log")
         _wait(lambda: _port_open(g), "cubelet gRPC", procs=[pl])
         c.cubelet_http = f"http://127.0.0.1:{h}"
+        c.runtime = runtime
+        if runtime == "microvm":
+            # The snapshot build boots the guest once; creates then restore a warm shim.
+            ready = f'cube_pool_ready{{pool="shim",template="{TEMPLATE}"}} 1'
+            _wait(lambda: ready in urllib.request.urlopen(c.cubelet_http + "/metrics", timeout=2)
+                  .read().decode(), "template snapshot and a warm shim", timeout=300, procs=[pl])
 
         mp = _free_port()
         # A second, never-answering node: the master must keep it NotReady and schedule around it.

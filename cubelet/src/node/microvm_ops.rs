@@ -214,22 +214,56 @@ impl Node {
             };
             (r, from_pool, t.elapsed())
         };
+        let linux = matches!(p.guest, Guest::Linux(_));
+        let snap_disk = snap.join(microvm::SNAPSHOT_DISK);
         let disk = async {
             let t = Instant::now();
-            let r = self
-                .prepare_disk(
+            let r = if snap_disk.exists() {
+                // A Linux template's snapshot was taken with its own disk: clone that one.
+                let (s, d) = (snap_disk.clone(), paths.disk());
+                tokio::task::spawn_blocking(move || crate::storage::clone_file(&s, &d))
+                    .await
+                    .map_err(|e| NodeError::Internal(e.to_string()))
+                    .and_then(|r| {
+                        r.map(|_| ())
+                            .map_err(|e| NodeError::Internal(format!("cloning disk: {e}")))
+                    })
+            } else {
+                self.prepare_disk(
                     &st.template,
                     &st.build,
                     rootfs,
                     &paths.disk(),
                     st.shape.disk_mib,
                 )
-                .await;
+                .await
+            };
             (r, t.elapsed())
         };
+        let policy = st.policy.clone();
         let tap = async {
             let t = Instant::now();
-            (p.taps.take(), t.elapsed())
+            let r = match p.taps.take() {
+                // A Linux guest talks over its virtio-net: its tap joins the switch like a
+                // veth's host end and gets the sandbox's host address.
+                Ok(tap) if linux => match self.net.tap_endpoint(&tap).await {
+                    Ok(ep) => match self.net.hook().apply_policy(&ep, &policy) {
+                        Ok(addr) => Ok((tap, Some((ep, addr)))),
+                        Err(e) => {
+                            self.net.destroy(&ep).await;
+                            p.taps.delete(&tap);
+                            Err(format!("network policy: {e}"))
+                        }
+                    },
+                    Err(e) => {
+                        p.taps.delete(&tap);
+                        Err(format!("tap endpoint: {e}"))
+                    }
+                },
+                Ok(tap) => Ok((tap, None)),
+                Err(e) => Err(e.to_string()),
+            };
+            (r, t.elapsed())
         };
         let ((shim_r, from_pool, shim_t), (disk_r, disk_t), (tap_r, tap_t)) =
             tokio::join!(shim, disk, tap);
@@ -251,7 +285,7 @@ impl Node {
             socket: PathBuf::new(),
             jail_root: None,
             snapshot: snap.clone(),
-            tap: tap_r.as_ref().ok().cloned(),
+            tap: tap_r.as_ref().ok().map(|(t, _)| t.clone()),
             vsock: vsock.clone(),
             init: body.clone(),
             ..Default::default()
@@ -266,6 +300,10 @@ impl Node {
         }
         st.microvm = Some(mv);
         st.from_pool = from_pool;
+        if let Ok((_, Some((ep, addr)))) = &tap_r {
+            st.endpoint = Some(ep.clone());
+            st.host_addr = *addr;
+        }
         let shim = match shim_r {
             Ok(s) => s,
             Err(e) => {
@@ -278,7 +316,7 @@ impl Node {
         }
         self.save(&req.id, st)?;
         disk_r?;
-        let tap = tap_r.map_err(|e| NodeError::Internal(format!("tap: {e}")))?;
+        let (tap, _) = tap_r.map_err(|e| NodeError::Internal(format!("tap: {e}")))?;
         let _ = std::os::unix::fs::symlink(&shim.socket, paths.dir.join("shim.sock"));
         let responder = InitResponder::start(&vsock, body).map_err(mvm_err("init channel"))?;
         let tr = Instant::now();

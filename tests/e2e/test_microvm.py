@@ -1,0 +1,60 @@
+"""The official e2b SDK against a Cube node on the microvm runtime with the Linux guest: every
+sandbox is a KVM microVM restored from the template's memory snapshot (a booted guest kernel
+with cube-agent as init), reached through its tap and cube-vs.
+
+On PVM build hosts the guest kernel runs with its `cube_pvm` patch (guest kernel mode is
+emulated there, so it is slow but real); on hosts with VMX/SVM the same test runs at full speed.
+"""
+
+import json
+import urllib.request
+
+import pytest
+from e2b import Sandbox
+
+from conftest import TEMPLATE
+
+
+def detail(cube, sid):
+    req = urllib.request.Request(f"{cube.api_url}/sandboxes/{sid}")
+    req.add_header("X-API-KEY", cube.api_key)
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+# The fixture boots the guest once to build the template's snapshot.
+@pytest.mark.timeout(600)
+def test_linux_microvm_sandbox_lifecycle_through_the_sdk(cube_microvm):
+    host_kernel = open("/proc/sys/kernel/osrelease").read().strip()
+    a = Sandbox.create(TEMPLATE, envs={"CUBE_WHO": "first"}, timeout=300)
+    b = None
+    try:
+        assert detail(cube_microvm, a.sandbox_id)["runtime"] == "microvm"
+        # Its own kernel (the guest's, not the host's), booted with the init channel.
+        r = a.commands.run("cat /proc/sys/kernel/osrelease /proc/cmdline; echo $CUBE_WHO")
+        lines = r.stdout.splitlines()
+        assert lines[0] != host_kernel and lines[0].startswith("6.12"), r.stdout
+        assert "cube.vsock_init=" in lines[1], r.stdout
+        assert lines[2] == "first", r.stdout
+        a.files.write("/home/user/note.txt", "kept across pause")
+
+        # A second copy of the same snapshot: its own settings and its own RNG state.
+        b = Sandbox.create(TEMPLATE, envs={"CUBE_WHO": "second"}, timeout=300)
+        assert b.commands.run("echo $CUBE_WHO").stdout == "second\n"
+        def rnd(s):
+            s.commands.run("head -c 16 /dev/urandom > /tmp/rnd")
+            return bytes(s.files.read("/tmp/rnd", format="bytes"))
+        ra, rb = rnd(a), rnd(b)
+        assert len(ra) == 16 and ra != rb
+        assert b.commands.run("cat /home/user/note.txt 2>&1 || true").stdout != "kept across pause"
+
+        # Pause (guest memory to disk) and connect (restore in the same shim).
+        a.pause()
+        assert Sandbox.get_info(a.sandbox_id).state.value == "paused"
+        a2 = Sandbox.connect(a.sandbox_id)
+        assert a2.files.read("/home/user/note.txt") == "kept across pause"
+        assert a2.commands.run("echo $CUBE_WHO").stdout == "first\n"
+    finally:
+        a.kill()
+        if b is not None:
+            b.kill()
