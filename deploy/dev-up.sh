@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Sets up and starts Cube on this host (Debian 12, as root): installs what is needed
 # (deploy/deps.sh), builds the workspace (release), installs the binaries to /usr/local/bin and
-# the static cube-agent to /usr/lib/cube, then runs `cubectl up`, which starts cubelet,
+# the static cube-agent and cube-shim to /usr/lib/cube (plus the microVM guest kernel, built by
+# deploy/guest-kernel/build.sh, where the CPU has VMX/SVM or with --runtime microvm), then runs
+# `cubectl up`, which starts cubelet,
 # cube-master and cube-api, builds the `base` template if missing, creates an API key and prints
 # the three E2B_* variables that point the official E2B SDKs at this host.
 #
@@ -12,6 +14,7 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 DOWN=0
+RUNTIME=auto
 UP_ARGS=()
 DOWN_ARGS=()
 usage() {
@@ -22,7 +25,8 @@ usage() {
 while [ $# -gt 0 ]; do
     case "$1" in
         --data-dir) [ $# -ge 2 ] || usage; UP_ARGS+=("$1" "$2"); DOWN_ARGS+=("$1" "$2"); shift 2 ;;
-        --api-port|--runtime) [ $# -ge 2 ] || usage; UP_ARGS+=("$1" "$2"); shift 2 ;;
+        --api-port) [ $# -ge 2 ] || usage; UP_ARGS+=("$1" "$2"); shift 2 ;;
+        --runtime) [ $# -ge 2 ] || usage; UP_ARGS+=("$1" "$2"); RUNTIME=$2; shift 2 ;;
         --foreground) UP_ARGS+=("$1"); shift ;;
         --purge) DOWN_ARGS+=("$1"); shift ;;
         --down) DOWN=1; shift ;;
@@ -41,10 +45,18 @@ fi
 bash "$ROOT/deploy/deps.sh"
 cd "$ROOT"
 echo "==> building (release)" >&2
-cargo build --release --quiet -p cubelet -p cube-master -p cube-api -p cubectl
+cargo build --release --quiet -p cubelet -p cube-master -p cube-api -p cubectl -p cube-shim
 RUSTFLAGS="-C target-feature=+crt-static" \
     cargo build --release --quiet -p cube-agent --target x86_64-unknown-linux-gnu
 install -D -m 0755 "$CARGO_TARGET_DIR/x86_64-unknown-linux-gnu/release/cube-agent" /usr/lib/cube/cube-agent
+install -D -m 0755 "$CARGO_TARGET_DIR/release/cube-shim" /usr/lib/cube/cube-shim
+# The guest kernel is what lets `auto` pick microVMs; it is only worth building where it can be
+# picked (VMX/SVM: PVM emulates guest kernel mode, so `auto` stays on namespaces there).
+if [ "$RUNTIME" = microvm ] || grep -qwE 'vmx|svm' /proc/cpuinfo; then
+    echo "==> guest kernel (deploy/guest-kernel/build.sh, cached)" >&2
+    nice bash "$ROOT/deploy/guest-kernel/build.sh" --out /var/cache/cube/guest-kernel/out
+    install -D -m 0644 /var/cache/cube/guest-kernel/out/vmlinux /usr/lib/cube/vmlinux
+fi
 for b in cubelet cube-master cube-api cubectl; do
     install -D -m 0755 "$CARGO_TARGET_DIR/release/$b" "/usr/local/bin/$b"
 done

@@ -120,6 +120,8 @@ pub struct StorageConfig {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct SandboxConfig {
+    /// vCPUs of a sandbox whose request names none, and of pooled sandboxes and warm shims.
+    /// Keep it equal to the master's `default_vcpus`: a microVM snapshot fits one shape only.
     pub default_vcpus: u32,
     pub default_memory_mib: u64,
     pub max_vcpus: u32,
@@ -209,7 +211,7 @@ impl Default for StorageConfig {
 impl Default for SandboxConfig {
     fn default() -> Self {
         SandboxConfig {
-            default_vcpus: 1,
+            default_vcpus: 2,
             default_memory_mib: 512,
             max_vcpus: 16,
             max_memory_mib: 16384,

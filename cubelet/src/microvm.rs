@@ -144,6 +144,13 @@ pub fn select(configured: &str, kvm_kind: &str, cfg: &MicroVmConfig) -> Result<S
                 cfg.guest
             )),
         },
+        // PVM emulates guest kernel mode: a Linux microVM works there (with the cube_pvm kernel)
+        // but every system call is emulated, about 1 s per `commands.run`. `auto` keeps such
+        // hosts on namespaces; `runtime = "microvm"` still selects it.
+        "auto" if ok.is_ok() && kvm_kind == "pvm" && matches!(guest, Guest::Linux(_)) => Ok(sel(
+            crate::runtime::RUNTIME_NAME,
+            "auto: /dev/kvm is PVM, which emulates a Linux guest's kernel mode (slow); using namespace (set runtime = \"microvm\" to use it anyway)".into(),
+        )),
         "auto" => Ok(match ok {
             Ok(()) => sel(
                 RUNTIME_NAME,
@@ -685,13 +692,15 @@ mod tests {
         // Hardware KVM with a kernel: microvm.
         let s = select("auto", "hardware", &cfg(k, &shim)).unwrap();
         assert_eq!(s.runtime, "microvm");
-        // PVM with a kernel that carries the cube_pvm patch: microvm too.
+        // PVM with a kernel that carries the cube_pvm patch: microvm when asked for, but
+        // auto stays on namespaces (guest kernel mode is emulated there).
         std::fs::write(&kernel, b"\x7fELF...cube_pvm\0...").unwrap();
-        assert_eq!(
-            select("auto", "pvm", &cfg(k, &shim)).unwrap().runtime,
-            "microvm"
-        );
         assert!(kernel_has_pvm_patch(&kernel));
+        let s = select("microvm", "pvm", &cfg(k, &shim)).unwrap();
+        assert_eq!(s.runtime, "microvm");
+        let s = select("auto", "pvm", &cfg(k, &shim)).unwrap();
+        assert_eq!(s.runtime, "namespace");
+        assert!(s.reason.contains("emulates"), "{}", s.reason);
         assert_eq!(
             select("namespace", "hardware", &cfg(k, &shim))
                 .unwrap()

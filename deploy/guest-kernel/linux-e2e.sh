@@ -1,93 +1,41 @@
 #!/usr/bin/env bash
-# The Linux-guest path of the microvm runtime, end to end, on a host with HARDWARE KVM
-# (VMX/SVM): guest kernel → `base` template → microVM template snapshot → create a sandbox
-# through the E2B SDK → commands.run → pause → connect (resume) → commands.run.
+# The Linux-guest path of the microvm runtime, end to end, on this host's /dev/kvm:
+#   guest kernel (built, cached) → cube-shim boots it with cube-agent as init and snapshots it
+#   once the agent asks for its init over vsock → restore, init, envd over virtio-net, pause to
+#   disk, resume (cube-shim/tests/linux_guest.rs) → a cubelet on the microvm runtime behind
+#   cube-master and cube-api, driven by the E2B Python SDK: create, commands.run, env vars,
+#   two copies with their own RNG, files, pause, connect (tests/e2e/test_microvm.py).
 #
-#   linux-e2e.sh [--work DIR] [--keep]
+#   linux-e2e.sh
 #
-# It exits non-zero, loudly, on any host without VMX/SVM (e.g. PVM hosts, where /dev/kvm
-# opens but guest kernel mode is emulated and Linux never reaches init), and it also exits
-# non-zero while the pieces listed under "MISSING" below are missing from this build: it
-# must never pass by skipping.
-#
-# What the path needs (in order), and where each piece stands:
-#   1. Guest kernel: deploy/guest-kernel/build.sh → out/vmlinux (PVH ELF, virtio-mmio
-#      devices on the command line, vsock, ext4). DONE (check.sh, boot-test.sh under QEMU).
-#   2. Template rootfs: `cubectl template build base` (debootstrap + cube-agent as
-#      /sbin/init → rootfs.ext4). DONE (namespace runtime uses the same image).
-#   3. cube-shim boots the kernel with the rootfs as virtio-blk (/dev/vda, root=/dev/vda),
-#      a tap as virtio-net and a vsock device, cmdline from microvm.config's README
-#      (console=ttyS0 reboot=k panic=1 pci=off root=/dev/vda rw virtio_mmio.device=...),
-#      waits for cube-agent's readiness (GET /health over the tap at 169.254.77.2:49983,
-#      or a vsock hello), then snapshots. MISSING: the shim's template builder only boots
-#      its `agent_standin` test guest (cube-shim --build-template); a `--kernel/--cmdline`
-#      mode on cube_hypervisor::Vm::load_kernel is the next step.
-#   4. cubelet microvm create: warm shim + tap + reflinked disk → restore → POST /init to
-#      cube-agent at the sandbox's host address (cube-vs binds the tap like a veth).
-#      MISSING: tap ↔ cube-vs binding (taps are created and attached to the VM, but no
-#      switch program is attached to them), and /init over HTTP instead of the stand-in's
-#      vsock init payload.
-#   5. Then: cubelet runtime = "auto" picks microvm here (set LINUX_GUEST_SUPPORTED in
-#      cubelet/src/microvm.rs once 3 and 4 exist) and this script runs the SDK steps below.
+# Runs on hardware KVM (VMX/SVM) and on PVM hosts (the kernel's cube_pvm patch; guest kernel
+# mode is emulated there, so it is slow but real). Both tests are also part of tests/run.sh.
+# Needs root, the workspace built (debug), the static cube-agent ($CUBE_AGENT_BIN) and the
+# tests/e2e virtualenv (deploy/deps.sh --test).
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(cd "$here/../.." && pwd)
-work=/var/tmp/cube-linux-e2e
-keep=0
 die() { echo "linux-e2e.sh: FAIL: $*" >&2; exit 1; }
 
-while [[ $# -gt 0 ]]; do
-	case "$1" in
-	--work) work=$2; shift 2 ;;
-	--keep) keep=1; shift ;;
-	-h|--help) sed -n '2,40p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2 ;;
-	*) die "unknown argument $1" ;;
-	esac
-done
-
-# --- 0. the host must have hardware virtualization --------------------------------------
+[[ $# -eq 0 ]] || { sed -n '2,14p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2; }
 [[ -c /dev/kvm ]] || die "no /dev/kvm on this host"
-if ! grep -qwE 'vmx|svm' /proc/cpuinfo; then
-	if [[ -d /sys/module/kvm_pvm ]] || grep -q kvm_pvm /proc/modules 2>/dev/null || dmesg 2>/dev/null | grep -q 'kvm-pvm'; then
-		die "/dev/kvm here is PVM (no VMX/SVM): a Linux guest cannot boot; run this on a host with hardware KVM"
-	fi
-	die "no VMX/SVM CPU flag: hardware KVM is required for the Linux-guest path"
-fi
+if grep -qwE 'vmx|svm' /proc/cpuinfo; then kind=hardware; else kind=pvm; fi
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-/var/cache/cube/target}
+export CUBE_AGENT_BIN=${CUBE_AGENT_BIN:-$CARGO_TARGET_DIR/x86_64-unknown-linux-gnu/release/cube-agent}
+[[ -x $CUBE_AGENT_BIN ]] || die "static cube-agent $CUBE_AGENT_BIN missing (see tests/run.sh)"
+venv=${CUBE_VENV_ROOT:-/var/cache/cube/venv}/e2e
+[[ -x $venv/bin/python ]] || die "virtualenv $venv missing: run deploy/deps.sh --test"
 
-# --- 1. guest kernel -----------------------------------------------------------------------
-"$here/build.sh" --out "$work/kernel" || die "guest kernel build failed"
-"$here/check.sh" "$work/kernel/vmlinux" || die "guest kernel check failed"
-"$here/boot-test.sh" --vmlinux "$work/kernel/vmlinux" --accel kvm --timeout 60 ||
-	die "guest kernel does not boot under QEMU/KVM"
+kout=${CUBE_KERNEL_OUT:-/var/cache/cube/guest-kernel/out}
+"$here/build.sh" --out "$kout" || die "guest kernel build failed"
+"$here/check.sh" "$kout/vmlinux" || die "guest kernel check failed"
+export CUBE_GUEST_KERNEL=$kout/vmlinux CUBE_REQUIRE_KVM=1 CUBE_REQUIRE_PRIV=1
+echo "linux-e2e: /dev/kvm is $kind; kernel $CUBE_GUEST_KERNEL"
 
-# --- 2-4. pieces this build does not have yet ----------------------------------------------
-if ! grep -q 'pub const LINUX_GUEST_SUPPORTED: bool = true' "$repo/cubelet/src/microvm.rs"; then
-	die "MISSING in this build: cube-shim Linux template builder and HTTP /init over the tap \
-(cubelet/src/microvm.rs LINUX_GUEST_SUPPORTED = false); see the header of this script"
-fi
-
-# --- 5. the SDK path (runs once the pieces exist) -----------------------------------------
-export CUBE_E2E_WORK=$work
-cat >"$work/cubelet-microvm.toml" <<EOF
-runtime = "auto"
-[microvm]
-guest = "$work/kernel/vmlinux"
-shim_binary = "$repo/target/release/cube-shim"
-EOF
-CUBELET_CONFIG="$work/cubelet-microvm.toml" "$repo/deploy/dev-up.sh" || die "dev-up failed"
-cubectl status | grep -q 'runtime: *microvm' || die "cubectl status does not report runtime microvm"
-cubectl template build base || die "template build base"
-python3 - <<'EOF' || die "E2B SDK steps failed"
-from e2b import Sandbox
-sb = Sandbox(template="base")
-r = sb.commands.run("echo hello from $(uname -r)")
-assert r.exit_code == 0 and "hello from" in r.stdout, r
-sb.pause()
-sb2 = Sandbox.connect(sb.sandbox_id)
-r = sb2.commands.run("cat /proc/uptime")
-assert r.exit_code == 0, r
-sb2.kill()
-print("linux-e2e: OK")
-EOF
-[[ $keep == 1 ]] || rm -rf "$work"
+cd "$repo"
+cargo build --quiet -p cubelet -p cube-shim -p cube-master -p cube-api -p cubectl
+cargo test --quiet -p cube-shim --test linux_guest -- --nocapture || die "cube-shim Linux guest test"
+"$venv/bin/python" -m pytest -q -p no:cacheprovider tests/e2e/test_microvm.py ||
+	die "E2B SDK against Linux microVMs"
+echo "linux-e2e: OK ($kind KVM)"

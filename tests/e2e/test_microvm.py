@@ -38,6 +38,22 @@ def test_linux_microvm_sandbox_lifecycle_through_the_sdk(cube_microvm):
         assert lines[2] == "first", r.stdout
         a.files.write("/home/user/note.txt", "kept across pause")
 
+        # A snapshot of a running microVM holds its memory: a process started before it runs on
+        # in sandboxes made from it (the namespace runtime keeps only files).
+        a.commands.run("sleep 600", background=True)
+        snap = a.create_snapshot()
+        try:
+            f = Sandbox.create(snap.snapshot_id, envs={"CUBE_WHO": "fork"}, timeout=300)
+            try:
+                assert "sleep" in f.commands.run("cat /proc/[0-9]*/comm").stdout.split()
+                assert f.files.read("/home/user/note.txt") == "kept across pause"
+                assert f.commands.run("echo $CUBE_WHO").stdout == "fork\n"
+            finally:
+                f.kill()
+        finally:
+            Sandbox.delete_snapshot(snap.snapshot_id)
+        assert a.commands.run("echo $CUBE_WHO").stdout == "first\n"
+
         # A second copy of the same snapshot: its own settings and its own RNG state.
         b = Sandbox.create(TEMPLATE, envs={"CUBE_WHO": "second"}, timeout=300)
         assert b.commands.run("echo $CUBE_WHO").stdout == "second\n"
