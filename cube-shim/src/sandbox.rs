@@ -231,7 +231,9 @@ impl Sandbox {
             Some((p, snap)) if p == dir => snap,
             _ => self.open_checked(dir)?,
         };
+        let tq = Instant::now();
         let backends = devices::open_backends(&snap, names)?;
+        let t_open = tq.elapsed();
         let shell = match self.shell.take() {
             Some(s) => s,
             None => VmShell::new(&self.vmm, self.shape).map_err(hv_err)?,
@@ -244,6 +246,7 @@ impl Sandbox {
                 return Err(hv_err(e));
             }
         };
+        let t_vm = tq.elapsed();
         let devs = match Devices::restore(&snap, &mut vm, backends) {
             Ok(d) => d,
             Err(e) => {
@@ -251,11 +254,20 @@ impl Sandbox {
                 return Err(e);
             }
         };
+        let t_dev = tq.elapsed();
         if let Err(e) = vm.resume() {
             self.state = SandboxState::Empty;
             return Err(hv_err(e));
         }
         devs.resume();
+        // Cumulative: backends opened, VM state loaded, devices rebuilt, vCPUs running.
+        tracing::debug!(
+            backends_us = t_open.as_micros() as u64,
+            vm_us = t_vm.as_micros() as u64,
+            devices_us = t_dev.as_micros() as u64,
+            running_us = tq.elapsed().as_micros() as u64,
+            "restore steps"
+        );
         self.vm = Some(vm);
         self.devices = devs;
         self.state = SandboxState::Running;

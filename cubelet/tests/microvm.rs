@@ -92,6 +92,7 @@ taps = 2
 xfs_loop_image = "{root}/xfs.img"
 xfs_loop_size_gib = 2
 [sandbox]
+default_vcpus = 1
 default_memory_mib = 64
 ready_timeout_ms = 20000
 [cgroup]

@@ -45,6 +45,12 @@ struct Args {
     #[arg(long)]
     #[cfg_attr(not(feature = "microvm"), allow(dead_code))]
     shim: Option<PathBuf>,
+    /// Guest for --runtime microvm: "agent-standin" (the shim's test guest) or a Linux guest
+    /// kernel (vmlinux from deploy/guest-kernel; the template is then a host-root with the
+    /// static cube-agent, given with --agent or $CUBE_AGENT_BIN).
+    #[arg(long, default_value = "agent-standin")]
+    #[cfg_attr(not(feature = "microvm"), allow(dead_code))]
+    guest: String,
 }
 
 pub(crate) struct Daemon {
@@ -286,9 +292,18 @@ async fn main() -> anyhow::Result<()> {
             .clone()
             .unwrap_or_else(|| PathBuf::from(format!("benches/results/node-bench-microvm-{unix}")));
         std::fs::create_dir_all(&out)?;
+        let agent = a
+            .agent
+            .clone()
+            .or_else(|| std::env::var("CUBE_AGENT_BIN").ok().map(PathBuf::from));
+        if a.guest != "agent-standin" && !agent.as_ref().is_some_and(|p| p.exists()) {
+            bail!("a Linux guest needs the static cube-agent: pass --agent or set CUBE_AGENT_BIN");
+        }
         return microvm::run(microvm::Opts {
             cubelet,
             shim,
+            guest: a.guest.clone(),
+            agent,
             out,
             iterations: a.iterations,
             idle: a.idle,

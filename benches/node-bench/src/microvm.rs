@@ -17,6 +17,10 @@ use crate::{free_port, meminfo, pct, start};
 pub struct Opts {
     pub cubelet: PathBuf,
     pub shim: PathBuf,
+    /// "agent-standin", or a Linux guest kernel.
+    pub guest: String,
+    /// The static cube-agent (Linux guests).
+    pub agent: Option<PathBuf>,
     pub out: PathBuf,
     pub iterations: usize,
     pub idle: usize,
@@ -26,19 +30,21 @@ pub struct Opts {
 
 fn config(
     root: &Path,
-    shim: &Path,
+    o: &Opts,
     pool: u32,
     name: &str,
 ) -> anyhow::Result<(PathBuf, String, String)> {
+    let shim = &o.shim;
     let (g, h) = (free_port()?, free_port()?);
     let cfg = format!(
         "grpc_addr = \"127.0.0.1:{g}\"\nhttp_addr = \"127.0.0.1:{h}\"\ndata_dir = \"{r}/data\"\nrun_dir = \"{r}/run\"\ncache_dir = \"{r}/cache\"\nagent_binary = \"{r}/agent\"\n\
-         runtime = \"microvm\"\n[microvm]\nshim_binary = \"{s}\"\nguest = \"agent-standin\"\ntaps = 8\n\
+         runtime = \"microvm\"\n[microvm]\nshim_binary = \"{s}\"\nguest = \"{guest}\"\ntaps = 8\n\
          [storage]\nxfs_loop_image = \"{r}/xfs.img\"\nxfs_loop_size_gib = 8\n\
-         [sandbox]\ndefault_memory_mib = 512\nready_timeout_ms = 30000\nmax_sandboxes = 0\n[cgroup]\nparent = \"cube-bench-{p}\"\n\
+         [sandbox]\ndefault_vcpus = 1\ndefault_memory_mib = 512\nready_timeout_ms = 30000\nmax_sandboxes = 0\n[cgroup]\nparent = \"cube-bench-{p}\"\n\
          [pools]\nnetwork = 0\ndisks = {d}\nrefill_interval_ms = 10\n[network]\nswitch = \"none\"\n[pools.started]\n{started}\n",
         r = root.display(),
         s = shim.display(),
+        guest = o.guest,
         p = std::process::id(),
         d = if pool > 0 { 8 } else { 0 },
         started = if pool > 0 { format!("tiny = {pool}") } else { String::new() },
@@ -92,7 +98,22 @@ pub async fn run(o: Opts) -> anyhow::Result<()> {
     let root = PathBuf::from(format!("/var/tmp/node-bench-mvm-{}", std::process::id()));
     std::fs::create_dir_all(root.join("tpl"))?;
     std::fs::write(root.join("tpl/hello"), b"bench template\n")?;
-    std::fs::write(root.join("agent"), b"#!/bin/sh\n")?;
+    match &o.agent {
+        // A Linux guest runs the template: host programs and the real agent as its init.
+        Some(agent) if o.guest != "agent-standin" => {
+            let st = Command::new(&o.cubelet)
+                .arg("host-root")
+                .arg(root.join("tpl"))
+                .args(["--programs", "sh,echo,true"])
+                .stdout(Stdio::null())
+                .status()?;
+            if !st.success() {
+                bail!("assembling the host-root template failed");
+            }
+            std::fs::copy(agent, root.join("agent"))?;
+        }
+        _ => std::fs::write(root.join("agent"), b"#!/bin/sh\n")?,
+    }
     let log = root.join("cubelet.log");
     let r = run_in(&o, &root, &log).await;
     let _ = std::fs::copy(&log, o.out.join("cubelet.log"));
@@ -115,7 +136,7 @@ pub async fn run(o: Opts) -> anyhow::Result<()> {
 }
 
 async fn run_in(o: &Opts, root: &Path, log: &Path) -> anyhow::Result<()> {
-    let (cfg_w, grpc_w, _) = config(root, &o.shim, o.pool, "warm")?;
+    let (cfg_w, grpc_w, http_w) = config(root, o, o.pool, "warm")?;
     let st = Command::new(&o.cubelet)
         .arg("--config")
         .arg(&cfg_w)
@@ -131,10 +152,12 @@ async fn run_in(o: &Opts, root: &Path, log: &Path) -> anyhow::Result<()> {
     eprintln!("microvm warm-pool creates ({})...", o.iterations);
     let (mut wc, mut ws, mut from_pool) = (Vec::new(), Vec::new(), 0usize);
     let (mut pause_ms, mut resume_ms) = (Vec::new(), Vec::new());
+    let phases;
     {
         let (_d, mut cl) = start(&o.cubelet, &cfg_w, &grpc_w, log).await?;
         for i in 0..o.iterations {
-            wait_pool(&mut cl, 1).await?;
+            // A quiet node: the pool refilled after the last create (no shim spawning meanwhile).
+            wait_pool(&mut cl, o.pool.max(1)).await?;
             let id = format!("w{i}");
             let t = Instant::now();
             let sb = cl
@@ -162,11 +185,12 @@ async fn run_in(o: &Opts, root: &Path, log: &Path) -> anyhow::Result<()> {
             }
             cl.kill_sandbox(pb::SandboxRef { sandbox_id: id }).await?;
         }
+        phases = create_phases(&http_w).unwrap_or_default();
     }
 
     // Idle: N sandboxes of 512 MiB from one snapshot.
     eprintln!("microvm idle memory ({} sandboxes of 512 MiB)...", o.idle);
-    let (cfg_i, grpc_i, _) = config(root, &o.shim, 0, "idle")?;
+    let (cfg_i, grpc_i, _) = config(root, o, 0, "idle")?;
     let (done, elapsed, avail_kib, pss_kib, beyond_kib, anon_kib, rss_kib) = {
         let (_d, mut cl) = start(&o.cubelet, &cfg_i, &grpc_i, log).await?;
         // The template snapshot exists already (built by the warm run).
@@ -219,7 +243,14 @@ async fn run_in(o: &Opts, root: &Path, log: &Path) -> anyhow::Result<()> {
     };
 
     let mut md = String::new();
-    md.push_str("## node-bench: microvm runtime (cube-shim + KVM, agent stand-in test guest)\n\n");
+    let guest = if o.guest == "agent-standin" {
+        "agent stand-in test guest".to_string()
+    } else {
+        format!("Linux guest {}, cube-agent as init", o.guest)
+    };
+    md.push_str(&format!(
+        "## node-bench: microvm runtime (cube-shim + KVM, {guest})\n\n"
+    ));
     md.push_str("| measure | n | p50 ms | p99 ms | target |\n|---|---|---|---|---|\n");
     md.push_str(&format!(
         "| CreateSandbox, warm shim pool (node: request → restored + init acknowledged) | {} ({} from pool) | {:.2} | {:.2} | p50 ≤ 2 ms |\n",
@@ -243,6 +274,10 @@ async fn run_in(o: &Opts, root: &Path, log: &Path) -> anyhow::Result<()> {
         pct(&mut resume_ms.clone(), 0.5),
         pct(&mut resume_ms.clone(), 0.99)
     ));
+    md.push_str("\nWhere a warm create's time goes (cubelet's `cube_create_phase_seconds`, mean ms; `shim`, `disk` and `tap` run at once):\n\n| phase | mean ms |\n|---|---|\n");
+    for (ph, ms) in &phases {
+        md.push_str(&format!("| {ph} | {ms:.3} |\n"));
+    }
     md.push_str("\n## Idle 512 MiB microVM sandboxes from one snapshot\n\n| sandboxes | create time s | host MemAvailable drop / sandbox KiB | shim PSS / sandbox KiB | PSS beyond guest-written pages / sandbox KiB | guest-written (anon) / sandbox KiB | guest resident / sandbox KiB | target |\n|---|---|---|---|---|---|---|---|\n");
     md.push_str(&format!(
         "| {done} | {elapsed:.1} | {avail_kib} | {pss_kib} | {beyond_kib} | {anon_kib} | {rss_kib} | ≤ 8192 KiB beyond written pages |\n"
@@ -251,9 +286,10 @@ async fn run_in(o: &Opts, root: &Path, log: &Path) -> anyhow::Result<()> {
     let json = serde_json::json!({
         "bench": "node-bench",
         "runtime": "microvm",
-        "guest": "agent-standin (test guest)",
+        "guest": o.guest,
         "unix_time": o.unix,
         "warm_pool": {"n": ws.len(), "from_pool": from_pool, "node_ms_p50": pct(&mut ws.clone(), 0.5), "node_ms_p99": pct(&mut ws.clone(), 0.99), "client_ms_p50": pct(&mut wc.clone(), 0.5), "client_ms_p99": pct(&mut wc.clone(), 0.99), "node_ms": ws, "target_p50_ms": 2},
+        "create_phases_mean_ms": phases.iter().cloned().collect::<std::collections::BTreeMap<String, f64>>(),
         "pause_to_disk_ms": {"p50": pct(&mut pause_ms.clone(), 0.5), "p99": pct(&mut pause_ms.clone(), 0.99), "all": pause_ms},
         "resume_ms": {"p50": pct(&mut resume_ms.clone(), 0.5), "p99": pct(&mut resume_ms.clone(), 0.99), "all": resume_ms},
         "idle": {"sandboxes": done, "memory_mib": 512, "create_seconds": elapsed, "host_mem_available_drop_kib_per_sandbox": avail_kib, "shim_pss_kib_per_sandbox": pss_kib, "pss_beyond_written_kib_per_sandbox": beyond_kib, "guest_written_kib_per_sandbox": anon_kib, "guest_rss_kib_per_sandbox": rss_kib, "target_beyond_written_kib": 8192},
@@ -265,4 +301,39 @@ async fn run_in(o: &Opts, root: &Path, log: &Path) -> anyhow::Result<()> {
     std::fs::write(o.out.join("results-microvm.md"), md)?;
     eprintln!("results in {}", o.out.display());
     Ok(())
+}
+
+/// Mean ms per create phase from cubelet's metrics (`cube_create_phase_seconds`).
+fn create_phases(http: &str) -> anyhow::Result<Vec<(String, f64)>> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(http)?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    write!(
+        s,
+        "GET /metrics HTTP/1.1\r\nHost: cubelet\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut text = String::new();
+    s.read_to_string(&mut text)?;
+    let value = |line: &str| line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok());
+    let mut sums = std::collections::BTreeMap::new();
+    let mut counts = std::collections::BTreeMap::new();
+    for line in text.lines() {
+        for (prefix, map) in [
+            ("cube_create_phase_seconds_sum{phase=\"", &mut sums),
+            ("cube_create_phase_seconds_count{phase=\"", &mut counts),
+        ] {
+            if let Some(rest) = line.strip_prefix(prefix) {
+                if let (Some(name), Some(v)) = (rest.split('"').next(), value(line)) {
+                    map.insert(name.to_string(), v);
+                }
+            }
+        }
+    }
+    Ok(sums
+        .into_iter()
+        .filter_map(|(k, sum)| {
+            let n = *counts.get(&k)?;
+            (n > 0.0).then(|| (k, sum / n * 1e3))
+        })
+        .collect())
 }
