@@ -340,9 +340,7 @@ impl Devices {
 fn spawn_worker<D: VirtioDevice>(
     t: Arc<Mutex<MmioTransport<D>>>,
 ) -> Result<BackendWorker, ErrorReply> {
-    let w = BackendWorker::spawn(t)
-        .map_err(|e| bad(ErrorKind::Internal, format!("backend worker: {e}")))?;
-    // The VM is still paused: keep the worker off the device until it runs.
-    w.pause();
-    Ok(w)
+    // The VM is still paused: the worker stays off the device until it runs.
+    BackendWorker::spawn_paused(t)
+        .map_err(|e| bad(ErrorKind::Internal, format!("backend worker: {e}")))
 }

@@ -106,6 +106,7 @@ def _stack(runtime):
     c = Cube()
     c.root = root
     logs = []
+    saved_env = {}
     try:
         stripped = os.path.join(root, "cube-agent")
         if subprocess.run(["strip", "-o", stripped, agent]).returncode != 0:
@@ -212,14 +213,22 @@ metrics_addr = "127.0.0.1:{metp}"
         out = subprocess.run(c.cubectl + ["apikey", "create", "--name", "e2e"], check=True,
                              capture_output=True, text=True)
         c.api_key = out.stdout.strip()
-        os.environ["E2B_API_URL"] = c.api_url
-        os.environ["E2B_SANDBOX_URL"] = c.sandbox_url
-        os.environ["E2B_API_KEY"] = c.api_key
+        # The SDK reads these: point it at this stack while it is up, and back at the previous
+        # one (the session's namespace stack) when it goes.
+        for k, v in (("E2B_API_URL", c.api_url), ("E2B_SANDBOX_URL", c.sandbox_url),
+                     ("E2B_API_KEY", c.api_key)):
+            saved_env.setdefault(k, os.environ.get(k))
+            os.environ[k] = v
         # The master schedules only onto nodes whose template list it has polled.
         _wait(lambda: TEMPLATE in subprocess.run(c.cubectl + ["--json", "nodes"], capture_output=True,
                                                  text=True).stdout, "node ready in master")
         yield c
     finally:
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         for p in reversed(c.procs):
             if p.poll() is None:
                 p.terminate()

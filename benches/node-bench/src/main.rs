@@ -169,7 +169,7 @@ const PHASES: [&str; 10] = [
 
 /// Scrapes cubelet's `/metrics` and returns (phase, count, sum seconds) from
 /// `cube_create_phase_seconds`.
-fn phase_sums(http: &str) -> anyhow::Result<Vec<(String, f64, f64)>> {
+pub(crate) fn phase_sums(http: &str, phases: &[&str]) -> anyhow::Result<Vec<(String, f64, f64)>> {
     use std::io::{Read, Write};
     let mut c = std::net::TcpStream::connect(http).with_context(|| format!("connect {http}"))?;
     c.set_read_timeout(Some(Duration::from_secs(10)))?;
@@ -180,7 +180,7 @@ fn phase_sums(http: &str) -> anyhow::Result<Vec<(String, f64, f64)>> {
     let mut body = String::new();
     c.read_to_string(&mut body)?;
     let mut out = Vec::new();
-    for ph in PHASES {
+    for ph in phases {
         let get = |suffix: &str| -> f64 {
             let pre = format!("cube_create_phase_seconds_{suffix}{{phase=\"{ph}\"}} ");
             body.lines()
@@ -368,7 +368,7 @@ async fn main() -> anyhow::Result<()> {
     let cold = {
         let (_d, mut cl) = start(&cubelet, &cfg0, &grpc0, &log).await?;
         let s = measure(&mut cl, "cold", a.iterations, false).await?;
-        (s, phase_sums(&http0)?)
+        (s, phase_sums(&http0, &PHASES)?)
     };
     let (cold, phases) = cold;
     // Warm: pre-started sandboxes waiting for /init.

@@ -303,37 +303,14 @@ async fn run_in(o: &Opts, root: &Path, log: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Phases of a microVM create (`shim`, `disk` and `tap` run at once).
+const PHASES: [&str; 6] = ["shim", "disk", "tap", "restore", "init", "total"];
+
 /// Mean ms per create phase from cubelet's metrics (`cube_create_phase_seconds`).
 fn create_phases(http: &str) -> anyhow::Result<Vec<(String, f64)>> {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(http)?;
-    s.set_read_timeout(Some(Duration::from_secs(5)))?;
-    write!(
-        s,
-        "GET /metrics HTTP/1.1\r\nHost: cubelet\r\nConnection: close\r\n\r\n"
-    )?;
-    let mut text = String::new();
-    s.read_to_string(&mut text)?;
-    let value = |line: &str| line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok());
-    let mut sums = std::collections::BTreeMap::new();
-    let mut counts = std::collections::BTreeMap::new();
-    for line in text.lines() {
-        for (prefix, map) in [
-            ("cube_create_phase_seconds_sum{phase=\"", &mut sums),
-            ("cube_create_phase_seconds_count{phase=\"", &mut counts),
-        ] {
-            if let Some(rest) = line.strip_prefix(prefix) {
-                if let (Some(name), Some(v)) = (rest.split('"').next(), value(line)) {
-                    map.insert(name.to_string(), v);
-                }
-            }
-        }
-    }
-    Ok(sums
+    Ok(crate::phase_sums(http, &PHASES)?
         .into_iter()
-        .filter_map(|(k, sum)| {
-            let n = *counts.get(&k)?;
-            (n > 0.0).then(|| (k, sum / n * 1e3))
-        })
+        .filter(|(_, n, _)| *n > 0.0)
+        .map(|(ph, n, sum)| (ph, sum / n * 1e3))
         .collect())
 }

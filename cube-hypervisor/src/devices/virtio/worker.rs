@@ -47,7 +47,29 @@ fn lock(ctl: &Mutex<Ctl>) -> std::sync::MutexGuard<'_, Ctl> {
 impl BackendWorker {
     /// Starts the worker for `transport` (running, not paused).
     pub fn spawn<D: VirtioDevice>(transport: Arc<Mutex<MmioTransport<D>>>) -> io::Result<Self> {
-        let ctl = Arc::new((Mutex::new(Ctl::default()), Condvar::new()));
+        Self::start(transport, false)
+    }
+
+    /// Starts the worker paused: it never touches the device before [`BackendWorker::resume`].
+    /// Unlike `spawn` + `pause` this does not wait for the new thread to run (a restore on a
+    /// busy host would otherwise wait for it to be scheduled).
+    pub fn spawn_paused<D: VirtioDevice>(
+        transport: Arc<Mutex<MmioTransport<D>>>,
+    ) -> io::Result<Self> {
+        Self::start(transport, true)
+    }
+
+    fn start<D: VirtioDevice>(
+        transport: Arc<Mutex<MmioTransport<D>>>,
+        paused: bool,
+    ) -> io::Result<Self> {
+        let ctl = Arc::new((
+            Mutex::new(Ctl {
+                paused,
+                ..Ctl::default()
+            }),
+            Condvar::new(),
+        ));
         let wake = Arc::new(EventFd::new(EFD_NONBLOCK)?);
         transport
             .lock()
