@@ -186,12 +186,13 @@ fn run(cli: &Cli, is_init: bool) -> anyhow::Result<()> {
             "cube-agent serving envd"
         );
         let state = AgentState::new(default_user, is_init);
-        if let Some(port) = vsock_init {
-            // After the listener is bound: the host snapshots templates at the first `redy`.
-            vsock_init::spawn(state.clone(), port);
-        }
         if cfg.interpreter.enabled {
             start_interpreter(&cfg.interpreter, state.clone()).await;
+        }
+        if let Some(port) = vsock_init {
+            // After the listener is bound and start-up work is counted in `warming`: the host
+            // snapshots templates at the first `redy`, which waits for that work.
+            vsock_init::spawn(state.clone(), port);
         }
         server::serve(listener, state).await;
         Ok::<(), anyhow::Error>(())

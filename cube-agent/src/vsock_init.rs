@@ -8,7 +8,8 @@
 //! connects again and gets that copy's payload.
 //!
 //! During a template build the host answers the first `redy` with nothing: that moment (envd
-//! bound, agent waiting) is where the template snapshot is taken.
+//! bound, start-up work such as the interpreter's pre-started worker done, agent waiting) is
+//! where the template snapshot is taken.
 //!
 //! Payload: `"CUBI"`, version 1 (u32 LE), unix time in ns (u64 LE), 32 bytes of entropy,
 //! JSON length (u32 LE), JSON `{env_vars, access_token, default_user, default_workdir}`.
@@ -105,6 +106,23 @@ fn connect(port: u32) -> std::io::Result<std::fs::File> {
     Ok(std::fs::File::from(owned))
 }
 
+/// Longest wait for start-up work (the interpreter's pre-started worker) before the first
+/// `redy`: a template snapshot taken after it holds that work done, but a worker that never
+/// comes up must not keep the template from being built.
+const MAX_WARM_WAIT: Duration = Duration::from_secs(60);
+
+/// Waits until nothing is warming (what `GET /health?warm` reports), at most `max`.
+fn wait_warm(state: &Shared, max: Duration) {
+    let t0 = std::time::Instant::now();
+    while state.warming.load(std::sync::atomic::Ordering::SeqCst) > 0 {
+        if t0.elapsed() >= max {
+            tracing::warn!(?max, "still warming; asking for init anyway");
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 /// One round: connect, ask, apply, acknowledge, then block until the connection ends.
 fn round(state: &Shared, port: u32) -> Result<(), String> {
     let mut conn = connect(port).map_err(|e| format!("connect to host port {port}: {e}"))?;
@@ -146,6 +164,8 @@ pub fn spawn(state: Shared, port: u32) {
     let r = std::thread::Builder::new()
         .name("vsock-init".into())
         .spawn(move || {
+            // The first `redy` is where a template is snapshotted: have it warm.
+            wait_warm(&state, MAX_WARM_WAIT);
             let mut backoff = Duration::from_millis(10);
             loop {
                 match round(&state, port) {
@@ -211,6 +231,32 @@ mod tests {
         let mut p = payload("{}");
         p[0] = b'X';
         assert!(decode(&p).is_err());
+    }
+
+    #[test]
+    fn the_first_request_waits_for_warming_work_but_not_forever() {
+        let state = crate::state::AgentState::new("root".into(), false);
+        state
+            .warming
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let s2 = state.clone();
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(150));
+            s2.warming.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        });
+        let t0 = std::time::Instant::now();
+        wait_warm(&state, Duration::from_secs(10));
+        let waited = t0.elapsed();
+        assert!(waited >= Duration::from_millis(140), "{waited:?}");
+        assert!(waited < Duration::from_secs(5), "{waited:?}");
+        t.join().unwrap();
+        // Something that never warms up: bounded.
+        state
+            .warming
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let t0 = std::time::Instant::now();
+        wait_warm(&state, Duration::from_millis(100));
+        assert!(t0.elapsed() < Duration::from_secs(2));
     }
 
     #[test]
