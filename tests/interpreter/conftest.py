@@ -13,3 +13,13 @@ def cube():
             yield c
     except stack.StackError as e:
         pytest.fail(str(e))
+
+
+@pytest.fixture(scope="module")
+def cube_microvm():
+    """The same template on a node running Linux microVMs (see stack.cube_stack)."""
+    try:
+        with stack.cube_stack(tag="civm", runtime="microvm") as c:
+            yield c
+    except stack.StackError as e:
+        pytest.fail(str(e))

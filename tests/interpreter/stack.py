@@ -70,10 +70,22 @@ class Cube:
         self.procs = []
 
 
+def guest_kernel():
+    """The microVM guest kernel: $CUBE_GUEST_KERNEL, else deploy/guest-kernel/out/vmlinux."""
+    k = os.environ.get("CUBE_GUEST_KERNEL") or os.path.join(
+        REPO, "deploy", "guest-kernel", "out", "vmlinux")
+    if not os.path.exists(k):
+        raise StackError(f"guest kernel {k} missing: build it with deploy/guest-kernel/build.sh")
+    return k
+
+
 @contextlib.contextmanager
-def cube_stack(tag="ci", log=print):
+def cube_stack(tag="ci", log=print, runtime="namespace"):
     """Starts the stack, yields a Cube with api_url/sandbox_url/api_key (also exported as the
-    E2B_* variables), and tears everything down."""
+    E2B_* variables while it is up), and tears everything down.
+
+    With runtime="microvm" the node runs Linux microVMs: the template's snapshot boots the guest
+    once and is taken when cube-agent is warm (its Python worker started)."""
     if os.geteuid() != 0:
         raise StackError("needs root: cubelet creates namespaces, cgroups and loop mounts")
     cubelet, master, api, cubectl = (_bin(n) for n in ("cubelet", "cube-master", "cube-api", "cubectl"))
@@ -82,7 +94,7 @@ def cube_stack(tag="ci", log=print):
     if v.returncode != 0 or "cube-agent" not in v.stdout:
         raise StackError(f"{agent} does not run (--version: rc={v.returncode} {v.stderr.strip()!r})")
     name = f"{tag}{os.getpid()}"
-    host_pool = f"10.239.{os.getpid() % 254 + 1}.0/24"
+    host_pool = f"10.{240 if runtime == 'microvm' else 239}.{os.getpid() % 254 + 1}.0/24"
     pin_root = f"/tmp/cube-{tag}-bpf-{name}"
     nft_table = f"cube_{tag}_{name}".replace("-", "_")
     root = f"/var/tmp/cube-{tag}-{name}"
@@ -91,14 +103,24 @@ def cube_stack(tag="ci", log=print):
     c = Cube()
     c.root = root
     logs = []
+    saved_env = {}
     try:
         stripped = os.path.join(root, "cube-agent")
         if subprocess.run(["strip", "-o", stripped, agent]).returncode != 0:
             shutil.copy(agent, stripped)
         g, h = _free_port(), _free_port()
         cfg = os.path.join(root, "cubelet.toml")
+        microvm = ""
+        if runtime == "microvm":
+            microvm = f"""[microvm]
+shim_binary = "{_bin('cube-shim')}"
+guest = "{guest_kernel()}"
+taps = 2
+shims_per_template = 1
+"""
         with open(cfg, "w") as f:
-            f.write(f"""node_id = "{name}"
+            f.write(f"""runtime = "{runtime}"
+node_id = "{name}"
 grpc_addr = "127.0.0.1:{g}"
 http_addr = "127.0.0.1:{h}"
 data_dir = "{root}/data"
@@ -126,8 +148,8 @@ nft_table = "{nft_table}"
 [pools.started]
 # Pre-started sandboxes of the template: their agent has already started the Python worker,
 # which is what makes the first run_code after a create fast.
-"{TEMPLATE}" = {os.environ.get("CUBE_INTERP_POOL", "2")}
-""")
+"{TEMPLATE}" = {1 if runtime == "microvm" else os.environ.get("CUBE_INTERP_POOL", "2")}
+{microvm}""")
         t0 = time.time()
         subprocess.run(["bash", BUILD_SH, "--cubelet", cubelet, "--config", cfg], check=True,
                        stdout=subprocess.DEVNULL)
@@ -143,6 +165,13 @@ nft_table = "{nft_table}"
 
         pl = start([cubelet, "--config", cfg, "run", "--kill-sandboxes-on-exit"], "cubelet.log")
         _wait(lambda: _port_open(g), "cubelet gRPC", procs=[pl])
+        if runtime == "microvm":
+            # The template's snapshot: a Linux boot plus the Python worker's start.
+            ready = f'cube_pool_ready{{pool="shim",template="{TEMPLATE}"}} 1'
+            t1 = time.time()
+            _wait(lambda: ready in urllib.request.urlopen(f"http://127.0.0.1:{h}/metrics", timeout=2)
+                  .read().decode(), "template snapshot and a warm shim", timeout=400, procs=[pl])
+            log(f"microVM snapshot and warm shim ready in {time.time() - t1:.1f} s")
         mp = _free_port()
         mcfg = os.path.join(root, "master.toml")
         with open(mcfg, "w") as f:
@@ -152,6 +181,7 @@ nodes = ["http://127.0.0.1:{g}"]
 node_poll_interval_ms = 500
 reaper_interval_ms = 250
 max_timeout_s = 86400
+metrics_addr = "127.0.0.1:{_free_port()}"
 """)
         pm = start([master, "--config", mcfg, "run"], "master.log")
         _wait(lambda: _port_open(mp), "cube-master gRPC", procs=[pm])
@@ -162,6 +192,7 @@ max_timeout_s = 86400
             f.write(f"""api_addr = "127.0.0.1:{ap}"
 edge_addr = "127.0.0.1:{ep}"
 master_url = "{c.master_url}"
+metrics_addr = "127.0.0.1:{_free_port()}"
 """)
         pa = start([api, "--config", acfg], "api.log")
         _wait(lambda: urllib.request.urlopen(f"http://127.0.0.1:{ap}/health", timeout=1).status == 200,
@@ -172,13 +203,19 @@ master_url = "{c.master_url}"
         out = subprocess.run(c.cubectl + ["apikey", "create", "--name", tag], check=True,
                              capture_output=True, text=True)
         c.api_key = out.stdout.strip()
-        os.environ["E2B_API_URL"] = c.api_url
-        os.environ["E2B_SANDBOX_URL"] = c.sandbox_url
-        os.environ["E2B_API_KEY"] = c.api_key
+        for k, v in (("E2B_API_URL", c.api_url), ("E2B_SANDBOX_URL", c.sandbox_url),
+                     ("E2B_API_KEY", c.api_key)):
+            saved_env.setdefault(k, os.environ.get(k))
+            os.environ[k] = v
         _wait(lambda: TEMPLATE in subprocess.run(c.cubectl + ["--json", "nodes"], capture_output=True,
                                                  text=True).stdout, "node ready in master")
         yield c
     finally:
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         for p in reversed(c.procs):
             if p.poll() is None:
                 p.terminate()
