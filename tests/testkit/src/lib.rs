@@ -72,7 +72,9 @@ fn required(need: Need) -> bool {
 fn log_line(line: &str) {
     if let Ok(path) = std::env::var("CUBE_SUITE_LOG") {
         if let Ok(mut f) = OpenOptions::new().create(true).append(true).open(path) {
-            let _ = writeln!(f, "{line}");
+            // One write per line: test binaries run side by side append to the same file, and
+            // `writeln!` may split a line into several writes that interleave with theirs.
+            let _ = f.write_all(format!("{line}\n").as_bytes());
         }
     }
 }
