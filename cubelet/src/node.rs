@@ -192,6 +192,16 @@ pub struct Node {
     mvm: Option<microvm_ops::Parts>,
 }
 
+/// A reflink clone of a disk image, off the async threads.
+async fn clone_disk(src: &Path, dst: &Path) -> Result<(), NodeError> {
+    let (s, d) = (src.to_path_buf(), dst.to_path_buf());
+    tokio::task::spawn_blocking(move || crate::storage::clone_file(&s, &d))
+        .await
+        .map_err(|e| NodeError::Internal(e.to_string()))?
+        .map(|_| ())
+        .map_err(|e| NodeError::Internal(format!("cloning disk: {e}")))
+}
+
 fn new_key() -> String {
     let mut b = [0u8; 6];
     // SAFETY: getrandom into a local buffer.
@@ -1032,11 +1042,7 @@ impl Node {
             self.pools.wake.notify_one();
         }
         if !done {
-            let (s, d) = (rootfs.to_path_buf(), dst.to_path_buf());
-            tokio::task::spawn_blocking(move || crate::storage::clone_file(&s, &d))
-                .await
-                .map_err(|e| NodeError::Internal(e.to_string()))?
-                .map_err(|e| NodeError::Internal(format!("cloning disk: {e}")))?;
+            clone_disk(rootfs, dst).await?;
         }
         let len = std::fs::metadata(dst).map(|m| m.len()).unwrap_or(0);
         if disk_mib << 20 > len {

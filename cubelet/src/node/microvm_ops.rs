@@ -219,15 +219,10 @@ impl Node {
         let disk = async {
             let t = Instant::now();
             let r = if snap_disk.exists() {
-                // A Linux template's snapshot was taken with its own disk: clone that one.
-                let (s, d) = (snap_disk.clone(), paths.disk());
-                tokio::task::spawn_blocking(move || crate::storage::clone_file(&s, &d))
-                    .await
-                    .map_err(|e| NodeError::Internal(e.to_string()))
-                    .and_then(|r| {
-                        r.map(|_| ())
-                            .map_err(|e| NodeError::Internal(format!("cloning disk: {e}")))
-                    })
+                // A Linux template's snapshot was taken with its own disk: clone that one (not
+                // a pooled clone of the template's image, and never grown: the restored guest
+                // has it mounted at this size).
+                super::clone_disk(&snap_disk, &paths.disk()).await
             } else {
                 self.prepare_disk(
                     &st.template,
@@ -726,18 +721,25 @@ impl Node {
             let Ok((m, rootfs)) = self.templates.get(&t, None) else {
                 continue;
             };
-            // Pre-cloned disks for this template (same pool as the namespace runtime's).
-            while self
-                .pools
-                .disks
-                .lock()
-                .map(|d| {
-                    d.get(&(t.clone(), m.build.clone()))
-                        .map(|v| v.len())
-                        .unwrap_or(0)
-                })
-                .unwrap_or(usize::MAX)
-                < self.cfg.pools.disks as usize
+            // Pre-cloned disks for this template (same pool as the namespace runtime's), unless
+            // its snapshot has a disk of its own, which creates clone instead.
+            let own_disk = rootfs.parent().is_some_and(|b| {
+                microvm::snapshot_dir(b, vcpus, mem)
+                    .join(microvm::SNAPSHOT_DISK)
+                    .exists()
+            });
+            while !own_disk
+                && self
+                    .pools
+                    .disks
+                    .lock()
+                    .map(|d| {
+                        d.get(&(t.clone(), m.build.clone()))
+                            .map(|v| v.len())
+                            .unwrap_or(0)
+                    })
+                    .unwrap_or(usize::MAX)
+                    < self.cfg.pools.disks as usize
             {
                 let dst = self
                     .pool_disk_dir
