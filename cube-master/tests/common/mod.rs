@@ -104,16 +104,7 @@ impl Drop for TestDb {
 }
 
 fn suite_log(line: &str) {
-    use std::io::Write;
-    if let Ok(path) = std::env::var("CUBE_SUITE_LOG") {
-        if let Ok(mut f) = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)
-        {
-            let _ = writeln!(f, "{line}");
-        }
-    }
+    cube_testkit::log_line(line);
 }
 
 /// Runs `$body(url)` once per backend: `mod $name { sqlite, postgres }`.

@@ -69,7 +69,9 @@ fn required(need: Need) -> bool {
         .unwrap_or(false)
 }
 
-fn log_line(line: &str) {
+/// Appends one line to the suite log `tests/run.sh` prints (for suites gated by something
+/// other than [`require`], such as a database).
+pub fn log_line(line: &str) {
     if let Ok(path) = std::env::var("CUBE_SUITE_LOG") {
         if let Ok(mut f) = OpenOptions::new().create(true).append(true).open(path) {
             // One write per line: test binaries run side by side append to the same file, and
