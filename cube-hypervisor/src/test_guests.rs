@@ -7,6 +7,9 @@
 //!   **interrupts enabled** (RFLAGS.IF = 1): on PVM the guest runs with hardware IOPL 0, so
 //!   `cli`/`sti` fault at CPL3; nothing interrupts until the guest programs a source (PIC, PIT,
 //!   LAPIC), and it masks the source to stop. All ports are allowed by the TSS I/O bitmap.
+//! * CR4.OSXSAVE with XCR0 = every XSAVE component KVM offers (where it takes them), as a guest
+//!   kernel would set up, so user code may use the widest vector state (on PVM user mode has
+//!   the host's XCR0 anyway).
 //! * 0–4 GiB is identity-mapped with 2 MiB user-writable pages; addresses beyond guest RAM reach
 //!   the MMIO bus (virtio-mmio windows from 0xc000_0000, the LAPIC at 0xfee0_0000).
 //! * GDT at 0x1000 (kernel code 0x10, kernel data 0x18, user data 0x23, user code 0x2b), an empty

@@ -17,6 +17,7 @@ use crate::devices::irq::IrqLine;
 use crate::error::{kvm, Error, Result};
 use crate::vstate::memory::{GuestMemory, GuestRam};
 use crate::vstate::vcpu::{self, ExitContext, Vcpu, VcpuEvent, PVM_MSRS};
+use crate::vstate::xstate::{self, PvXstate, XsaveLayout};
 
 /// Shape of a VM: what a snapshot and a shell must agree on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -58,6 +59,7 @@ pub(crate) struct VmmInner {
     pub pvm: bool,
     pub cpu_model_hash: String,
     pub cpuid: CpuId,
+    pub xsave: XsaveLayout,
 }
 
 /// The host's KVM, opened once per process and shared by its VMs (cheap to clone).
@@ -112,7 +114,16 @@ impl Vmm {
         let cpuid = kvm_sys
             .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
             .map_err(kvm("KVM_GET_SUPPORTED_CPUID"))?;
-        let cpu_model_hash = cpu_model_hash(&cpuid, &msrs, pvm);
+        // Guest user mode on PVM runs natively, with the host's XCR0; elsewhere the guest gets
+        // only what the CPUID table's leaf 0xD offers.
+        let xsave = XsaveLayout::of(&cpuid);
+        let usable = if pvm {
+            xstate::host_xcr0()
+        } else {
+            xsave.features
+        };
+        xstate::check(xsave, usable).map_err(Error::KvmUnavailable)?;
+        let cpu_model_hash = cpu_model_hash(&HostCpu::read(), &cpuid, &msrs, pvm);
         vcpu::install_kick_handler()?;
         Ok(Vmm {
             inner: Arc::new(VmmInner {
@@ -121,6 +132,7 @@ impl Vmm {
                 pvm,
                 cpu_model_hash,
                 cpuid,
+                xsave,
             }),
         })
     }
@@ -150,21 +162,38 @@ impl Vmm {
     }
 }
 
-fn cpu_model_hash(cpuid: &CpuId, msrs: &[u32], pvm: bool) -> String {
+/// What this process sees of its CPU: `/proc/cpuinfo`'s first CPU, CPUID's feature words, XCR0.
+/// On PVM that is also what guest user mode sees, and what guest programs chose their code
+/// paths by (glibc's string functions, numpy's kernels).
+struct HostCpu {
+    cpuinfo: String,
+    features: Vec<u32>,
+    xcr0: u64,
+}
+
+impl HostCpu {
+    fn read() -> HostCpu {
+        HostCpu {
+            cpuinfo: std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default(),
+            features: native_cpu_features(),
+            xcr0: xstate::host_xcr0(),
+        }
+    }
+}
+
+fn cpu_model_hash(host: &HostCpu, cpuid: &CpuId, msrs: &[u32], pvm: bool) -> String {
     let mut h = Sha256::new();
-    if let Ok(info) = std::fs::read_to_string("/proc/cpuinfo") {
-        for line in info.lines() {
-            if line.starts_with("vendor_id")
-                || line.starts_with("cpu family")
-                || line.starts_with("model")
-                || line.starts_with("stepping")
-            {
-                h.update(line.as_bytes());
-                h.update(b"\n");
-            }
-            if line.is_empty() {
-                break; // first CPU only
-            }
+    for line in host.cpuinfo.lines() {
+        if line.starts_with("vendor_id")
+            || line.starts_with("cpu family")
+            || line.starts_with("model")
+            || line.starts_with("stepping")
+        {
+            h.update(line.as_bytes());
+            h.update(b"\n");
+        }
+        if line.is_empty() {
+            break; // first CPU only
         }
     }
     for e in cpuid.as_slice() {
@@ -183,8 +212,41 @@ fn cpu_model_hash(cpuid: &CpuId, msrs: &[u32], pvm: bool) -> String {
         h.update(m.to_le_bytes());
     }
     h.update([pvm as u8]);
+    // A host with other features, though the same model, must not restore the snapshot.
+    for v in &host.features {
+        h.update(v.to_le_bytes());
+    }
+    h.update(host.xcr0.to_le_bytes());
     let d = h.finalize();
     d.iter().take(16).map(|b| format!("{b:02x}")).collect()
+}
+
+/// Feature words of CPUID as this process sees it (per-CPU fields left out).
+fn native_cpu_features() -> Vec<u32> {
+    use std::arch::x86_64::{__cpuid, __cpuid_count, CpuidResult};
+    let zero = CpuidResult {
+        eax: 0,
+        ebx: 0,
+        ecx: 0,
+        edx: 0,
+    };
+    let max = __cpuid(0).eax;
+    let max_ext = __cpuid(0x8000_0000).eax;
+    let l1 = __cpuid(1);
+    let mut v = vec![l1.eax, l1.ecx, l1.edx];
+    for (leaf, sub) in [(7, 0), (7, 1), (0xd, 0), (0xd, 1)] {
+        let r = if leaf <= max {
+            __cpuid_count(leaf, sub)
+        } else {
+            zero
+        };
+        v.extend([r.eax, r.ebx, r.ecx, r.edx]);
+    }
+    let ext = |leaf| if leaf <= max_ext { __cpuid(leaf) } else { zero };
+    let (e1, e8) = (ext(0x8000_0001), ext(0x8000_0008));
+    // 0x8000_0008: address sizes and feature bits, not its core counts (ECX).
+    v.extend([e1.ecx, e1.edx, e8.eax, e8.ebx]);
+    v
 }
 
 /// How a run of the guest ended (see [`Vm::run_until`]).
@@ -253,6 +315,12 @@ impl Vm {
             pio: pio.clone(),
             mmio: mmio.clone(),
             events: tx,
+            mem: ram.memory().clone(),
+            pv_xstate: if vmm.inner.pvm {
+                PvXstate::new(vmm.inner.xsave)
+            } else {
+                None
+            },
         };
         // Memslot registration is the slow part of VM creation (several ms, growing with size,
         // mostly SRCU synchronization in KVM): run it in parallel with vCPU creation, which
@@ -343,7 +411,22 @@ impl Vm {
             let mut sregs = fd.get_sregs().map_err(kvm("KVM_GET_SREGS"))?;
             let mut regs = kvm_regs::default();
             arch::setup_user_entry(&mut sregs, &mut regs, load, i, n);
-            fd.set_sregs(&sregs).map_err(kvm("KVM_SET_SREGS"))?;
+            // What a guest kernel would do: enable every XSAVE component KVM offers, so test
+            // guests can use (and snapshots must keep) the widest vector state. On PVM guest
+            // user mode has the host's XCR0 regardless.
+            let xcr0 = self.vmm.inner.xsave.features;
+            let mut with_xsave = sregs;
+            with_xsave.cr4 |= arch::CR4_OSXSAVE;
+            if xcr0 != xstate::XFEATURE_FPSSE && fd.set_sregs(&with_xsave).is_ok() {
+                let mut xcrs = kvm_bindings::kvm_xcrs {
+                    nr_xcrs: 1,
+                    ..Default::default()
+                };
+                xcrs.xcrs[0].value = xcr0;
+                fd.set_xcrs(&xcrs).map_err(kvm("KVM_SET_XCRS"))?;
+            } else {
+                fd.set_sregs(&sregs).map_err(kvm("KVM_SET_SREGS"))?;
+            }
             fd.set_regs(&regs).map_err(kvm("KVM_SET_REGS"))?;
             // Secondary vCPUs start runnable too (no INIT/SIPI dance for test guests).
             fd.set_mp_state(kvm_bindings::kvm_mp_state {
@@ -598,5 +681,40 @@ impl Drop for Vm {
     fn drop(&mut self) {
         // Stop and join the vCPU threads before the memslot's mapping is unmapped.
         self.vcpus.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn host(model: &str, leaf7_ebx: u32, xcr0: u64) -> HostCpu {
+        HostCpu {
+            cpuinfo: format!(
+                "vendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: {model}\n\nmodel\t\t: 99\n"
+            ),
+            features: vec![0x00a1_0f11, 0xfffa_3203, 0x178b_fbff, leaf7_ebx],
+            xcr0,
+        }
+    }
+
+    #[test]
+    fn the_cpu_hash_tells_apart_hosts_whose_features_differ() {
+        let cpuid = CpuId::new(1).unwrap();
+        let hash = |h: &HostCpu, pvm| cpu_model_hash(h, &cpuid, &[0x10], pvm);
+        let base = hash(&host("17", 0xf1bf_07ab, 0xe7), true);
+        assert_eq!(base, hash(&host("17", 0xf1bf_07ab, 0xe7), true));
+        // Only the first CPU's lines count.
+        assert_eq!(base.len(), 32);
+        // Same model, AVX-512F hidden from this host's CPUID (as a cloud VM may do).
+        assert_ne!(
+            base,
+            hash(&host("17", 0xf1bf_07ab & !(1 << 16), 0xe7), true)
+        );
+        // Same CPUID, AVX-512 state not enabled by this host's kernel.
+        assert_ne!(base, hash(&host("17", 0xf1bf_07ab, 0x7), true));
+        // Another model, another KVM flavour.
+        assert_ne!(base, hash(&host("2", 0xf1bf_07ab, 0xe7), true));
+        assert_ne!(base, hash(&host("17", 0xf1bf_07ab, 0xe7), false));
     }
 }

@@ -32,26 +32,27 @@ const GUEST_IP: &str = "10.213.77.2";
 const HOST_CIDR: &str = "10.213.77.1/30";
 
 fn inputs() -> Option<(PathBuf, PathBuf)> {
-    let kernel = std::env::var_os("CUBE_GUEST_KERNEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/guest-kernel/out/vmlinux")
-        });
-    let agent = std::env::var_os("CUBE_AGENT_BIN").map(PathBuf::from);
-    let missing = match &agent {
-        _ if !kernel.exists() => Some(format!("guest kernel {} not built", kernel.display())),
-        None => Some("CUBE_AGENT_BIN is not set".to_string()),
-        Some(a) if !a.exists() => Some(format!("cube-agent {} not found", a.display())),
-        Some(_) => None,
+    let kernel = guest_kernel()?;
+    let agent = match std::env::var_os("CUBE_AGENT_BIN").map(PathBuf::from) {
+        None => Err("CUBE_AGENT_BIN is not set".to_string()),
+        Some(a) if !a.exists() => Err(format!("cube-agent {} not found", a.display())),
+        Some(a) => Ok(a),
     };
-    if let Some(why) = missing {
-        if std::env::var("CUBE_REQUIRE_KVM").as_deref() == Ok("1") {
-            panic!("linux guest test: {why} (CUBE_REQUIRE_KVM=1)");
-        }
-        eprintln!("SKIPPED linux guest test: {why}");
-        return None;
+    match agent {
+        Ok(a) => Some((kernel, a)),
+        Err(why) => missing_input("linux guest test", &why),
     }
-    Some((kernel, agent?))
+}
+
+/// Prints the template's boot console when the test fails after the build.
+struct ConsoleOnPanic(PathBuf);
+impl Drop for ConsoleOnPanic {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let log = std::fs::read_to_string(&self.0).unwrap_or_default();
+            eprintln!("----- guest console ({}):\n{log}", self.0.display());
+        }
+    }
 }
 
 fn run(cmd: &mut Command) {
@@ -209,8 +210,9 @@ fn a_linux_guest_with_cube_agent_is_snapshotted_restored_initialised_and_resumed
         },
         &tpl,
     );
+    let _console = ConsoleOnPanic(console.clone());
     let log = std::fs::read_to_string(&console).unwrap_or_default();
-    let m = built.unwrap_or_else(|e| panic!("{e}\nconsole:\n{log}"));
+    let m = built.unwrap_or_else(|e| panic!("{e}"));
     eprintln!("template built in {:?}", t0.elapsed());
     assert!(m.kernel_digest.is_some());
     assert!(log.contains("Linux version"), "{log}");

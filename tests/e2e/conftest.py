@@ -9,13 +9,18 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 
 import pytest
 
+# tests/microvm_logs.py, shared with the other suites that start microVM stacks.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 TEMPLATE = "e2emini"
-PROGRAMS = "sh,bash,cat,echo,ls,sleep,mkdir,rm,id,env,touch,sync,true,false,head,grep"
+# dmesg: a failed microVM test prints the guest's kernel log (tests/microvm_logs.py).
+PROGRAMS = "sh,bash,cat,echo,ls,sleep,mkdir,rm,id,env,touch,sync,true,false,head,grep,dmesg"
 
 
 def _free_port():

@@ -12,6 +12,7 @@ import urllib.request
 import pytest
 from e2b import Sandbox
 
+import microvm_logs
 from conftest import TEMPLATE
 
 
@@ -29,47 +30,48 @@ def test_linux_microvm_sandbox_lifecycle_through_the_sdk(cube_microvm):
     a = Sandbox.create(TEMPLATE, envs={"CUBE_WHO": "first"}, timeout=300)
     b = None
     try:
-        assert detail(cube_microvm, a.sandbox_id)["runtime"] == "microvm"
-        # Its own kernel (the guest's, not the host's), booted with the init channel.
-        r = a.commands.run("cat /proc/sys/kernel/osrelease /proc/cmdline; echo $CUBE_WHO")
-        lines = r.stdout.splitlines()
-        assert lines[0] != host_kernel and lines[0].startswith("6.12"), r.stdout
-        assert "cube.vsock_init=" in lines[1], r.stdout
-        assert lines[2] == "first", r.stdout
-        a.files.write("/home/user/note.txt", "kept across pause")
+        with microvm_logs.on_failure(cube_microvm):
+            assert detail(cube_microvm, a.sandbox_id)["runtime"] == "microvm"
+            # Its own kernel (the guest's, not the host's), booted with the init channel.
+            r = a.commands.run("cat /proc/sys/kernel/osrelease /proc/cmdline; echo $CUBE_WHO")
+            lines = r.stdout.splitlines()
+            assert lines[0] != host_kernel and lines[0].startswith("6.12"), r.stdout
+            assert "cube.vsock_init=" in lines[1], r.stdout
+            assert lines[2] == "first", r.stdout
+            a.files.write("/home/user/note.txt", "kept across pause")
 
-        # A snapshot of a running microVM holds its memory: a process started before it runs on
-        # in sandboxes made from it (the namespace runtime keeps only files).
-        a.commands.run("sleep 600", background=True)
-        snap = a.create_snapshot()
-        try:
-            f = Sandbox.create(snap.snapshot_id, envs={"CUBE_WHO": "fork"}, timeout=300)
+            # A snapshot of a running microVM holds its memory: a process started before it runs on
+            # in sandboxes made from it (the namespace runtime keeps only files).
+            a.commands.run("sleep 600", background=True)
+            snap = a.create_snapshot()
             try:
-                assert "sleep" in f.commands.run("cat /proc/[0-9]*/comm").stdout.split()
-                assert f.files.read("/home/user/note.txt") == "kept across pause"
-                assert f.commands.run("echo $CUBE_WHO").stdout == "fork\n"
+                f = Sandbox.create(snap.snapshot_id, envs={"CUBE_WHO": "fork"}, timeout=300)
+                try:
+                    assert "sleep" in f.commands.run("cat /proc/[0-9]*/comm").stdout.split()
+                    assert f.files.read("/home/user/note.txt") == "kept across pause"
+                    assert f.commands.run("echo $CUBE_WHO").stdout == "fork\n"
+                finally:
+                    f.kill()
             finally:
-                f.kill()
-        finally:
-            Sandbox.delete_snapshot(snap.snapshot_id)
-        assert a.commands.run("echo $CUBE_WHO").stdout == "first\n"
+                Sandbox.delete_snapshot(snap.snapshot_id)
+            assert a.commands.run("echo $CUBE_WHO").stdout == "first\n"
 
-        # A second copy of the same snapshot: its own settings and its own RNG state.
-        b = Sandbox.create(TEMPLATE, envs={"CUBE_WHO": "second"}, timeout=300)
-        assert b.commands.run("echo $CUBE_WHO").stdout == "second\n"
-        def rnd(s):
-            s.commands.run("head -c 16 /dev/urandom > /tmp/rnd")
-            return bytes(s.files.read("/tmp/rnd", format="bytes"))
-        ra, rb = rnd(a), rnd(b)
-        assert len(ra) == 16 and ra != rb
-        assert b.commands.run("cat /home/user/note.txt 2>&1 || true").stdout != "kept across pause"
+            # A second copy of the same snapshot: its own settings and its own RNG state.
+            b = Sandbox.create(TEMPLATE, envs={"CUBE_WHO": "second"}, timeout=300)
+            assert b.commands.run("echo $CUBE_WHO").stdout == "second\n"
+            def rnd(s):
+                s.commands.run("head -c 16 /dev/urandom > /tmp/rnd")
+                return bytes(s.files.read("/tmp/rnd", format="bytes"))
+            ra, rb = rnd(a), rnd(b)
+            assert len(ra) == 16 and ra != rb
+            assert b.commands.run("cat /home/user/note.txt 2>&1 || true").stdout != "kept across pause"
 
-        # Pause (guest memory to disk) and connect (restore in the same shim).
-        a.pause()
-        assert Sandbox.get_info(a.sandbox_id).state.value == "paused"
-        a2 = Sandbox.connect(a.sandbox_id)
-        assert a2.files.read("/home/user/note.txt") == "kept across pause"
-        assert a2.commands.run("echo $CUBE_WHO").stdout == "first\n"
+            # Pause (guest memory to disk) and connect (restore in the same shim).
+            a.pause()
+            assert Sandbox.get_info(a.sandbox_id).state.value == "paused"
+            a2 = Sandbox.connect(a.sandbox_id)
+            assert a2.files.read("/home/user/note.txt") == "kept across pause"
+            assert a2.commands.run("echo $CUBE_WHO").stdout == "first\n"
     finally:
         a.kill()
         if b is not None:

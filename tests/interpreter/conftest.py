@@ -1,9 +1,15 @@
 """Session fixture: a real single-host Cube serving the `code-interpreter-v1` template (see
 stack.py). The first run debootstraps the template's root (minutes, then cached)."""
 
+import os
+import sys
+
 import pytest
 
 import stack
+
+# tests/microvm_logs.py, shared with the other suites that start microVM stacks.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="session")

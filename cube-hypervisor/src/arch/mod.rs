@@ -29,6 +29,7 @@ const CR0_PG: u64 = 1 << 31;
 const CR4_PAE: u64 = 1 << 5;
 const CR4_OSFXSR: u64 = 1 << 9;
 const CR4_OSXMMEXCPT: u64 = 1 << 10;
+pub const CR4_OSXSAVE: u64 = 1 << 18;
 const EFER_SCE: u64 = 1;
 const EFER_LME: u64 = 1 << 8;
 const EFER_LMA: u64 = 1 << 10;

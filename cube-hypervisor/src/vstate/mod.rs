@@ -3,3 +3,4 @@
 pub mod memory;
 pub mod vcpu;
 pub mod vm;
+pub mod xstate;

@@ -17,6 +17,8 @@ use serde::{Deserialize, Serialize};
 use crate::devices::bus::Bus;
 use crate::error::{Error, Result, SnapshotError};
 use crate::test_guests::ports;
+use crate::vstate::memory::GuestMemory;
+use crate::vstate::xstate::{self, PvOp, PvXstate};
 
 /// MSRs PVM adds that `KVM_GET_MSR_INDEX_LIST` does not report (see the notes §0).
 pub const PVM_MSRS: [u32; 5] = [
@@ -253,6 +255,10 @@ pub(crate) struct ExitContext {
     pub pio: Arc<RwLock<Bus>>,
     pub mmio: Arc<RwLock<Bus>>,
     pub events: Sender<(usize, VcpuEvent)>,
+    /// Guest RAM, for requests that carry a guest physical address.
+    pub mem: GuestMemory,
+    /// The guest kernel's extended-state save/restore (PVM hosts only).
+    pub pv_xstate: Option<PvXstate>,
 }
 
 /// Signal used to kick vCPU threads out of KVM_RUN.
@@ -411,6 +417,13 @@ fn vcpu_loop(s: Arc<VcpuShared>, ctx: ExitContext) {
             };
             match outcome {
                 Outcome::Continue => {}
+                Outcome::Xstate(op) => {
+                    if let Some(pv) = &ctx.pv_xstate {
+                        if let Err(e) = pv.serve(&fd, &ctx.mem, op) {
+                            tracing::debug!(vcpu = s.id, "guest extended-state request: {e}");
+                        }
+                    }
+                }
                 Outcome::Event(ev) => {
                     let _ = ctx.events.send((s.id, ev));
                 }
@@ -468,6 +481,8 @@ fn describe_internal_error(fd: &mut VcpuFd) -> String {
 
 enum Outcome {
     Continue,
+    /// A guest kernel's extended-state request, served with the vCPU's fd.
+    Xstate(PvOp),
     Event(VcpuEvent),
     Park(Option<VcpuEvent>),
 }
@@ -486,15 +501,25 @@ fn handle_exit(id: usize, exit: VcpuExit<'_>, ctx: &ExitContext) -> Outcome {
             ports::CHECKPOINT => Outcome::Event(VcpuEvent::Checkpoint(le_u32(data))),
             ports::PAUSE_POINT => Outcome::Park(Some(VcpuEvent::PausePoint(le_u32(data)))),
             ports::PARK => Outcome::Park(None),
-            _ => {
-                let bus = ctx.pio.read().unwrap_or_else(|e| e.into_inner());
-                if !bus.write(port as u64, data) {
-                    tracing::trace!(vcpu = id, port, "write to unclaimed port");
+            p => match ctx.pv_xstate.and(PvXstate::op(p, le_u32(data))) {
+                Some(op) => Outcome::Xstate(op),
+                None => {
+                    let bus = ctx.pio.read().unwrap_or_else(|e| e.into_inner());
+                    if !bus.write(port as u64, data) {
+                        tracing::trace!(vcpu = id, port, "write to unclaimed port");
+                    }
+                    Outcome::Continue
                 }
-                Outcome::Continue
-            }
+            },
         },
         VcpuExit::IoIn(port, data) => {
+            if let (xstate::SIZE_PORT, Some(pv)) = (port, &ctx.pv_xstate) {
+                let size = pv.size().to_le_bytes();
+                for (i, b) in data.iter_mut().enumerate() {
+                    *b = size.get(i).copied().unwrap_or(0);
+                }
+                return Outcome::Continue;
+            }
             let bus = ctx.pio.read().unwrap_or_else(|e| e.into_inner());
             if !bus.read(port as u64, data) {
                 data.fill(0xff); // floating bus

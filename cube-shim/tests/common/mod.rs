@@ -11,6 +11,33 @@ use cube_hypervisor::{test_guests, DeviceStates, RunOutcome, Shape, VcpuEvent, V
 use cube_shim::protocol::{GuestStatus, Reply, SandboxState};
 use cube_shim::{Client, Op};
 
+/// The project's guest kernel: `CUBE_GUEST_KERNEL`, else deploy/guest-kernel/out/vmlinux.
+/// Missing, the test skips, or fails under `CUBE_REQUIRE_KVM=1`.
+pub fn guest_kernel() -> Option<PathBuf> {
+    let kernel = std::env::var_os("CUBE_GUEST_KERNEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/guest-kernel/out/vmlinux")
+        });
+    if kernel.exists() {
+        return Some(kernel);
+    }
+    missing_input(
+        "linux guest test",
+        &format!("guest kernel {} not built", kernel.display()),
+    )
+}
+
+/// An input a KVM test needs is missing: skip with the reason, or fail under
+/// `CUBE_REQUIRE_KVM=1`.
+pub fn missing_input<T>(test: &str, why: &str) -> Option<T> {
+    if std::env::var("CUBE_REQUIRE_KVM").as_deref() == Ok("1") {
+        panic!("{test}: {why} (CUBE_REQUIRE_KVM=1)");
+    }
+    eprintln!("SKIPPED {test}: {why}");
+    None
+}
+
 pub fn tmpdir(tag: &str) -> tempfile::TempDir {
     tempfile::Builder::new()
         .prefix(&format!("cube-shim-{tag}-"))
