@@ -55,15 +55,6 @@ impl Drop for ConsoleOnPanic {
     }
 }
 
-fn run(cmd: &mut Command) {
-    let o = cmd.output().expect("run");
-    assert!(
-        o.status.success(),
-        "{cmd:?}: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-}
-
 /// An ext4 root with the agent as /sbin/init and this test's network settings.
 fn rootfs(agent: &Path, work: &Path) -> PathBuf {
     let root = work.join("root");

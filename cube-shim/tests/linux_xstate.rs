@@ -10,6 +10,8 @@
 
 mod common;
 
+use common::run;
+
 use std::io::Write;
 use std::path::Path;
 use std::process::Command;
@@ -42,15 +44,6 @@ impl Console {
     fn text(&self) -> String {
         String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
     }
-}
-
-fn run(cmd: &mut Command) {
-    let o = cmd.output().expect("run");
-    assert!(
-        o.status.success(),
-        "{cmd:?}: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
 }
 
 /// An initramfs whose /init is the probe, compiled here.

@@ -51,6 +51,19 @@ pub struct Cgroups {
 
 const V1_CONTROLLERS: [&str; 4] = ["cpu", "memory", "pids", "freezer"];
 
+/// The devices a sandbox may open (v1 `devices.allow` lines): null, zero, full, random,
+/// urandom, tty, ptmx and the pty slaves; nothing else, whatever nodes it finds or makes.
+pub const DEVICE_ALLOW: &[&str] = &[
+    "c 1:3 rwm",
+    "c 1:5 rwm",
+    "c 1:7 rwm",
+    "c 1:8 rwm",
+    "c 1:9 rwm",
+    "c 5:0 rwm",
+    "c 5:2 rwm",
+    "c 136:* rwm",
+];
+
 fn write(path: &Path, v: &str) -> Result<(), CgroupError> {
     std::fs::write(path, v).map_err(io("write", path))
 }
@@ -109,21 +122,64 @@ impl Cgroups {
             CgroupMode::V1(r) => V1_CONTROLLERS
                 .iter()
                 .map(|c| r.join(c).join(&self.parent).join(key))
+                .chain(self.devices_dir(key))
                 .collect(),
         }
     }
 
-    /// The `cgroup.procs` files a process must join (one per hierarchy).
+    /// The sandbox's v1 `devices` cgroup, where the host has that hierarchy.
+    fn devices_dir(&self, key: &str) -> Option<PathBuf> {
+        match &self.mode {
+            CgroupMode::V1(r) if r.join("devices").join("devices.allow").exists() => {
+                Some(r.join("devices").join(&self.parent).join(key))
+            }
+            _ => None,
+        }
+    }
+
+    /// Limits the sandbox's cgroup to [`DEVICE_ALLOW`] and returns the `cgroup.procs` file its
+    /// init joins once it has mounted its disk (the loop device is not on the list). `None`
+    /// where the host has no v1 devices hierarchy (on v2 the limit would be a BPF program;
+    /// there the dropped CAP_MKNOD and `nodev` mounts are what keeps devices out).
+    pub fn restrict_devices(&self, key: &str) -> Result<Option<PathBuf>, CgroupError> {
+        let Some(d) = self.devices_dir(key) else {
+            return Ok(None);
+        };
+        if let Some(parent) = d.parent() {
+            std::fs::create_dir_all(parent).map_err(io("mkdir", parent))?;
+        }
+        match std::fs::create_dir(&d) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(io("mkdir", &d)(e)),
+        }
+        write(&d.join("devices.deny"), "a")?;
+        for rule in DEVICE_ALLOW {
+            write(&d.join("devices.allow"), rule)?;
+        }
+        Ok(Some(d.join("cgroup.procs")))
+    }
+
+    /// The `cgroup.procs` files a process must join (one per hierarchy; the devices cgroup,
+    /// see [`Cgroups::restrict_devices`], is joined separately).
     pub fn procs_files(&self, key: &str) -> Vec<PathBuf> {
+        let devices = self.devices_dir(key);
         self.dirs(key)
             .into_iter()
+            .filter(|d| Some(d) != devices.as_ref())
             .map(|d| d.join("cgroup.procs"))
             .collect()
     }
 
-    /// Creates the cgroup(s) for `key`.
+    /// Creates the cgroup(s) for `key` (not the devices cgroup: see
+    /// [`Cgroups::restrict_devices`]).
     pub fn create(&self, key: &str) -> Result<(), CgroupError> {
-        for d in self.dirs(key) {
+        let devices = self.devices_dir(key);
+        for d in self
+            .dirs(key)
+            .into_iter()
+            .filter(|d| Some(d) != devices.as_ref())
+        {
             match std::fs::create_dir(&d) {
                 Ok(()) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}

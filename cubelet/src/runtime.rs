@@ -1,7 +1,10 @@
 //! The `namespace` runtime: a sandbox is its reflinked disk (loop-mounted ext4 inside the
 //! sandbox's own mount namespace), cube-agent as PID 1 in new mount/pid/uts/ipc/net/cgroup
-//! namespaces, cgroup limits, a seccomp filter and a reduced capability set. Isolation is a
-//! shared kernel, like a container: weaker than `microvm`, and reported as such.
+//! namespaces, cgroup limits, Docker's capabilities less CAP_MKNOD, `no_new_privs`, an
+//! allow-list seccomp filter (`seccomp.rs`), OCI's masked and read-only `/proc` paths,
+//! `nosuid,nodev` mounts and a device allow-list (`sandbox_init.rs`, `cgroup.rs`). Isolation
+//! is a shared kernel, like a container: weaker than `microvm`, and reported as such. Not yet:
+//! a user namespace (sandbox root is host uid 0, see issue 16).
 
 use crate::cgroup::{Cgroups, Limits};
 use crate::sandbox_init::{InitResult, InitSpec, SPEC_ENV};
@@ -111,6 +114,7 @@ pub fn launch_prepared(
         root: paths.root(),
         netns: netns.to_path_buf(),
         cgroup_procs: cg.procs_files(key),
+        devices_procs: cg.restrict_devices(key)?,
         hostname: settings.hostname.clone(),
         agent_path: settings.agent_path.clone(),
         agent_host: settings.agent_host.clone(),

@@ -22,6 +22,10 @@ pub struct InitSpec {
     pub root: PathBuf,
     pub netns: PathBuf,
     pub cgroup_procs: Vec<PathBuf>,
+    /// The devices cgroup (an allow-list), joined by the sandbox's init once its disk is
+    /// mounted.
+    #[serde(default)]
+    pub devices_procs: Option<PathBuf>,
     pub hostname: String,
     pub agent_path: String,
     /// The node's agent binary. When set it is bind-mounted read-only at `agent_path` on the
@@ -45,9 +49,36 @@ pub struct InitResult {
     pub pid: i32,
 }
 
-/// Capabilities the agent keeps (Docker's default set): enough to run processes as other
-/// users, own files and bind low ports; no CAP_SYS_ADMIN, NET_ADMIN, SYS_TIME, SYS_MODULE, ...
-pub const AGENT_CAPS: &[u32] = &[0, 1, 3, 4, 5, 6, 7, 8, 10, 13, 18, 27, 29, 31];
+/// Capabilities the agent keeps (Docker's default set less CAP_MKNOD): enough to run
+/// processes as other users, own files and bind low ports; no CAP_SYS_ADMIN, NET_ADMIN,
+/// SYS_TIME, SYS_MODULE, MKNOD, ...
+pub const AGENT_CAPS: &[u32] = &[0, 1, 3, 4, 5, 6, 7, 8, 10, 13, 18, 29, 31];
+
+/// OCI's default masked paths (under the sandbox root): an empty read-only tmpfs over a
+/// directory, /dev/null over a file. They expose host kernel memory, keys, timers and
+/// hardware.
+pub const MASKED_PATHS: &[&str] = &[
+    "proc/acpi",
+    "proc/asound",
+    "proc/kcore",
+    "proc/keys",
+    "proc/latency_stats",
+    "proc/timer_list",
+    "proc/timer_stats",
+    "proc/sched_debug",
+    "proc/scsi",
+    "sys/firmware",
+    "sys/devices/virtual/powercap",
+];
+
+/// OCI's default read-only paths: host-wide kernel settings (core_pattern, modprobe, sysrq).
+pub const READ_ONLY_PATHS: &[&str] = &[
+    "proc/bus",
+    "proc/fs",
+    "proc/irq",
+    "proc/sys",
+    "proc/sysrq-trigger",
+];
 
 fn err(what: &str) -> String {
     format!("{what}: {}", std::io::Error::last_os_error())
@@ -126,6 +157,10 @@ fn launch(spec: &InitSpec) -> Result<i32, String> {
         return Err(err("setns(net)"));
     }
     drop(ns);
+    // ICMP echo sockets for every uid of the sandbox (as Docker does), so `ping` works
+    // without CAP_NET_RAW or a setuid/file-capability binary (no_new_privs ignores both).
+    // /proc/sys/net is the namespace of the writer: the sandbox's.
+    let _ = std::fs::write("/proc/sys/net/ipv4/ping_group_range", "0 2147483647");
     let flags = libc::CLONE_NEWNS
         | libc::CLONE_NEWUTS
         | libc::CLONE_NEWIPC
@@ -154,7 +189,7 @@ fn launch(spec: &InitSpec) -> Result<i32, String> {
     }
     if pid == 0 {
         drop(rd);
-        let msg = match child(spec, filter.as_ref()) {
+        let msg = match child(spec, filter.as_deref()) {
             Ok(never) => match never {},
             Err(m) => m,
         };
@@ -196,11 +231,36 @@ fn bind_agent(host: &Path, target: &Path) -> Result<(), String> {
     )
 }
 
+/// Applies [`MASKED_PATHS`] and [`READ_ONLY_PATHS`] beneath `root` (which has its /proc,
+/// /sys and /dev mounted). Paths this kernel does not have are skipped.
+fn mask_paths(root: &Path) -> Result<(), String> {
+    let ro = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC | libc::MS_RDONLY;
+    let null = root.join("dev/null");
+    for rel in MASKED_PATHS {
+        let p = root.join(rel);
+        match std::fs::symlink_metadata(&p) {
+            Ok(m) if m.is_dir() => mount("tmpfs", &p, "tmpfs", ro, "size=0,mode=555")?,
+            Ok(_) => mount(&null.to_string_lossy(), &p, "", libc::MS_BIND, "")?,
+            Err(_) => {}
+        }
+    }
+    for rel in READ_ONLY_PATHS {
+        let p = root.join(rel);
+        if std::fs::symlink_metadata(&p).is_err() {
+            continue;
+        }
+        let ps = p.to_string_lossy();
+        mount(&ps, &p, "", libc::MS_BIND | libc::MS_REC, "")?;
+        mount(&ps, &p, "", libc::MS_BIND | libc::MS_REMOUNT | ro, "")?;
+    }
+    Ok(())
+}
+
 fn mkdirs(p: &Path) -> Result<(), String> {
     std::fs::create_dir_all(p).map_err(|e| format!("mkdir {}: {e}", p.display()))
 }
 
-fn child(spec: &InitSpec, filter: Option<&seccompiler::BpfProgram>) -> Result<Never, String> {
+fn child(spec: &InitSpec, filter: Option<&[seccompiler::BpfProgram]>) -> Result<Never, String> {
     let root = &spec.root;
     mount(
         "none",
@@ -211,9 +271,14 @@ fn child(spec: &InitSpec, filter: Option<&seccompiler::BpfProgram>) -> Result<Ne
     )?;
     let dev = crate::storage::LoopDevice::attach(&spec.disk).map_err(|e| e.to_string())?;
     // noinit_itable: no background inode-table zeroing thread per sandbox mount.
-    if let Err(e) =
-        crate::storage::mount_dev(&dev.path, root, "ext4", libc::MS_NOATIME, "noinit_itable")
-    {
+    // nosuid, nodev: no setuid program or device node of the image counts.
+    if let Err(e) = crate::storage::mount_dev(
+        &dev.path,
+        root,
+        "ext4",
+        libc::MS_NOATIME | libc::MS_NOSUID | libc::MS_NODEV,
+        "noinit_itable",
+    ) {
         dev.detach();
         return Err(e.to_string());
     }
@@ -305,6 +370,12 @@ fn child(spec: &InitSpec, filter: Option<&seccompiler::BpfProgram>) -> Result<Ne
         libc::MS_NOSUID | libc::MS_NODEV,
         &format!("mode=1777,size={}m", spec.tmp_size_mib),
     )?;
+    mask_paths(root)?;
+    // Devices beyond the allow-list are closed from here on (the loop device is mounted).
+    if let Some(f) = &spec.devices_procs {
+        std::fs::write(f, std::process::id().to_string())
+            .map_err(|e| format!("join devices cgroup {}: {e}", f.display()))?;
+    }
     let hn = spec.hostname.as_bytes();
     // SAFETY: valid buffer and length.
     if unsafe { libc::sethostname(hn.as_ptr() as *const libc::c_char, hn.len()) } != 0 {
@@ -354,8 +425,14 @@ fn child(spec: &InitSpec, filter: Option<&seccompiler::BpfProgram>) -> Result<Ne
         )
     };
     drop_caps(&spec.keep_caps)?;
-    if let Some(f) = filter {
-        crate::seccomp::install(f).map_err(|e| format!("seccomp: {e}"))?;
+    match filter {
+        Some(f) => crate::seccomp::install(f).map_err(|e| format!("seccomp: {e}"))?,
+        // Without seccomp (a test setting) no_new_privs still holds.
+        // SAFETY: prctl with integer arguments.
+        None if unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } != 0 => {
+            return Err(err("no_new_privs"));
+        }
+        None => {}
     }
     let prog = c(&spec.agent_path);
     let mut argv: Vec<CString> = vec![prog.clone()];

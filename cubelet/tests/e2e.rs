@@ -87,9 +87,35 @@ async fn sandbox_lifecycle_commands_files_pause_resume_kill() {
             || std::fs::read_to_string("/home/user/f.txt").unwrap() != "hello\n"
     );
 
-    // Dangerous syscalls are refused even for root inside (seccomp + dropped capabilities).
-    let (_, caps) = sh(&sb, "grep CapBnd /proc/self/status").await;
-    assert!(caps.contains("00000000a80425fb"), "bounding set: {caps}");
+    // Root inside keeps Docker's capabilities less CAP_MKNOD, under no_new_privs and a
+    // seccomp filter (what the filter refuses: tests/isolation).
+    let (_, status) = sh(
+        &sb,
+        "grep -E '^(CapBnd|NoNewPrivs|Seccomp):' /proc/self/status",
+    )
+    .await;
+    for want in ["CapBnd:\t00000000a00425fb", "NoNewPrivs:\t1", "Seccomp:\t2"] {
+        assert!(status.contains(want), "{want} in {status}");
+    }
+    // Its init is in a devices cgroup that allows only the nodes of its /dev (v1 hosts).
+    if std::path::Path::new("/sys/fs/cgroup/devices/devices.allow").exists() {
+        let cgroups = std::fs::read_to_string(format!("/proc/{}/cgroup", st.pid)).unwrap();
+        let path = cgroups
+            .lines()
+            .find_map(|l| l.split_once(":devices:").map(|x| x.1.to_string()))
+            .unwrap_or_default();
+        assert!(
+            path.len() > 1,
+            "init is not in a devices cgroup of its own: {cgroups}"
+        );
+        let list =
+            std::fs::read_to_string(format!("/sys/fs/cgroup/devices{path}/devices.list")).unwrap();
+        let mut got: Vec<&str> = list.lines().collect();
+        got.sort();
+        let mut want = cubelet::cgroup::DEVICE_ALLOW.to_vec();
+        want.sort();
+        assert_eq!(got, want, "devices cgroup {path}");
+    }
 
     // Pause: a busy loop stops making progress while frozen, and resumes after.
     sh(

@@ -19,8 +19,9 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 TEMPLATE = "e2emini"
-# dmesg: a failed microVM test prints the guest's kernel log (tests/microvm_logs.py).
-PROGRAMS = "sh,bash,cat,echo,ls,sleep,mkdir,rm,id,env,touch,sync,true,false,head,grep,dmesg"
+# dmesg: a failed microVM test prints the guest's kernel log (tests/microvm_logs.py); chmod:
+# tests/isolation makes its probe executable.
+PROGRAMS = "sh,bash,cat,echo,ls,sleep,mkdir,rm,id,env,touch,sync,true,false,head,grep,dmesg,chmod"
 
 
 def _free_port():

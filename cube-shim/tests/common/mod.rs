@@ -38,6 +38,16 @@ pub fn missing_input<T>(test: &str, why: &str) -> Option<T> {
     None
 }
 
+/// Runs a command that must succeed.
+pub fn run(cmd: &mut Command) {
+    let o = cmd.output().expect("run");
+    assert!(
+        o.status.success(),
+        "{cmd:?}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
 pub fn tmpdir(tag: &str) -> tempfile::TempDir {
     tempfile::Builder::new()
         .prefix(&format!("cube-shim-{tag}-"))

@@ -1,0 +1,125 @@
+"""The attacker suite: as root inside a sandbox, through the real e2b SDK, a program tries what
+hostile code would try to reach the host (escape_probe.c: host kernel settings opened for
+writing, never written; host memory and keys read; device nodes made and opened; namespaces,
+mounts and the other ABIs' system call tables; kernel attack surface such as io_uring, bpf,
+perf and keyrings). Every attempt must be refused or get the process killed.
+
+Runtime: `namespace`, the one whose boundary is the host kernel. (On `microvm` these calls
+reach the guest's own kernel, which is the point of a VM.)
+"""
+
+import pytest
+from e2b import Sandbox
+
+from conftest import TEMPLATE
+
+SIGSYS = 31
+
+# What each attempt must come to: "refused" (any errno), "killed" (SIGSYS from seccomp),
+# "masked" (refused, or opened with nothing to read), or a specific errno.
+EXPECT = {
+    "open-w /proc/sys/kernel/core_pattern": "refused",
+    "open-w /proc/sys/kernel/modprobe": "refused",
+    "open-w /proc/sys/vm/panic_on_oom": "refused",
+    "open-w /proc/sysrq-trigger": "refused",
+    "open-w /sys/kernel/uevent_helper": "refused",
+    "read /proc/kcore": "masked",
+    "read /proc/keys": "masked",
+    "read /proc/timer_list": "masked",
+    "list /sys/firmware": "masked",
+    "mknod+open block 7:0 (loop)": "refused",
+    "mknod+open block 8:0 (disk)": "refused",
+    "mknod+open block 254:0 (virtio disk)": "refused",
+    "mknod+open char 10:232 (/dev/kvm)": "refused",
+    "mknod+open char 10:126 (/dev/userfaultfd)": "refused",
+    "mknod+open char 1:1 (/dev/mem)": "refused",
+    "unshare(CLONE_NEWUSER|CLONE_NEWNET)": "refused",
+    "unshare(CLONE_NEWNS)": "refused",
+    # libc falls back to clone() on ENOSYS, where seccomp sees the flags.
+    "clone3(CLONE_NEWUSER|CLONE_NEWNET)": "ENOSYS",
+    "clone(CLONE_NEWUSER)": "refused",
+    "setns(net)": "refused",
+    "mount": "refused",
+    "x32 mount": "killed",
+    "i386 int 0x80": "killed",
+    "socket(AF_VSOCK)": "refused",
+    "io_uring_setup": "refused",
+    "bpf": "refused",
+    "perf_event_open": "refused",
+    "keyctl": "refused",
+    "userfaultfd": "refused",
+}
+
+# Capabilities no sandbox process may hold: DAC_READ_SEARCH 2, LINUX_IMMUTABLE 9,
+# NET_ADMIN 12, IPC_LOCK 14, SYS_MODULE 16, SYS_RAWIO 17, SYS_PTRACE 19, SYS_ADMIN 21,
+# SYS_BOOT 22, SYS_RESOURCE 24, SYS_TIME 25, MKNOD 27, MAC_ADMIN 33, SYSLOG 34, BPF 39,
+# PERFMON 38, CHECKPOINT_RESTORE 40.
+FORBIDDEN_CAPS = [2, 9, 12, 14, 16, 17, 19, 21, 22, 24, 25, 27, 33, 34, 38, 39, 40]
+
+
+def run_probe(probe):
+    sbx = Sandbox.create(TEMPLATE, timeout=120)
+    try:
+        sbx.files.write("/tmp/escape_probe", probe)
+        r = sbx.commands.run("chmod 755 /tmp/escape_probe && /tmp/escape_probe", user="root",
+                             timeout=120)
+        return r.stdout
+    finally:
+        sbx.kill()
+
+
+def parse(out):
+    got, status = {}, {}
+    for line in out.splitlines():
+        if line.startswith("status "):
+            k, v = line[len("status "):].split(":", 1)
+            status[k] = v.strip()
+            continue
+        for name in EXPECT:
+            if line.startswith(name + " "):
+                got[name] = line[len(name) + 1:]
+    return got, status
+
+
+def verdict(want, got):
+    """None if `got` (the probe's word for one attempt) is what `want` allows."""
+    if want == "killed":
+        return None if got == f"killed {SIGSYS}" else "not killed"
+    if want == "ENOSYS":
+        return None if got.startswith("errno 38 ") else "not ENOSYS"
+    if got.startswith("errno ") or got == f"killed {SIGSYS}":
+        return None
+    if want == "masked" and got == "empty":
+        return None
+    return "not refused"
+
+
+@pytest.mark.timeout(300)
+def test_root_in_a_sandbox_cannot_reach_the_host(cube, probe):
+    out = run_probe(probe)
+    print(out)
+    got, status = parse(out)
+    missing = sorted(set(EXPECT) - set(got))
+    assert not missing, f"the probe did not report {missing}:\n{out}"
+    broken = {n: f"{got[n]} ({why})" for n, want in EXPECT.items()
+              if (why := verdict(want, got[n]))}
+    assert not broken, f"escapes that worked: {broken}\n{out}"
+
+    # The state every sandbox process starts in.
+    assert status.get("NoNewPrivs") == "1", status
+    assert status.get("Seccomp") == "2", status
+    for field in ("CapBnd", "CapEff"):
+        caps = int(status[field], 16)
+        held = [c for c in FORBIDDEN_CAPS if caps >> c & 1]
+        assert not held, f"{field} {status[field]} holds capabilities {held}"
+
+
+def test_the_probe_tells_a_refusal_from_a_success():
+    # The verdicts themselves: an attempt that worked is never taken for a refusal.
+    assert verdict("refused", "ok") and verdict("masked", "ok") and verdict("killed", "ok")
+    assert verdict("killed", "errno 1 Operation not permitted")
+    assert verdict("ENOSYS", "errno 1 Operation not permitted")
+    assert verdict("refused", "empty")
+    assert verdict("refused", "killed 9")
+    assert verdict("masked", "empty") is None and verdict("refused", "errno 30 x") is None
+    assert verdict("refused", f"killed {SIGSYS}") is None
