@@ -241,6 +241,16 @@ pub fn kvm_kind() -> String {
     }
 }
 
+/// Said once at start, loudly: the namespace runtime's boundary is the host's own kernel.
+fn warn_shared_kernel(why: &str) {
+    tracing::warn!(
+        reason = why,
+        "SANDBOXES ON THIS NODE SHARE THE HOST KERNEL: runtime \"namespace\" (namespaces, \
+         seccomp allow-list, no_new_privs, dropped capabilities; no user namespace yet). \
+         Untrusted code is safer in the \"microvm\" runtime (a host with VMX/SVM)"
+    );
+}
+
 impl Node {
     /// Prepares directories, detects cgroups and storage, opens netlink, recovers state.
     pub async fn start(cfg: Config, hook: Arc<dyn NetworkHook>) -> anyhow::Result<Arc<Node>> {
@@ -250,10 +260,16 @@ impl Node {
             .map_err(|e| anyhow::anyhow!(e))?;
         #[cfg(feature = "microvm")]
         tracing::info!(runtime = selection.runtime, kvm = %selection.kvm_kind, reason = %selection.reason, "runtime selected");
+        #[cfg(feature = "microvm")]
+        if selection.runtime == runtime::RUNTIME_NAME {
+            warn_shared_kernel(&selection.reason);
+        }
         // `auto` means microvm where this node can run it; this build has only `namespace`.
         #[cfg(not(feature = "microvm"))]
         if cfg.runtime == "auto" {
-            tracing::info!("runtime \"auto\": using \"namespace\" (this cubelet is built without the microvm runtime)");
+            warn_shared_kernel("this cubelet is built without the microvm runtime");
+        } else if cfg.runtime == runtime::RUNTIME_NAME {
+            warn_shared_kernel("configured");
         } else if cfg.runtime != runtime::RUNTIME_NAME {
             anyhow::bail!(
                 "runtime {:?} is not available on this node (only \"namespace\" is implemented)",

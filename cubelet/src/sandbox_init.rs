@@ -161,6 +161,8 @@ fn launch(spec: &InitSpec) -> Result<i32, String> {
     // without CAP_NET_RAW or a setuid/file-capability binary (no_new_privs ignores both).
     // /proc/sys/net is the namespace of the writer: the sandbox's.
     let _ = std::fs::write("/proc/sys/net/ipv4/ping_group_range", "0 2147483647");
+    // Forked before the new PID namespace, so it stays outside the sandbox's.
+    let log_pipe = spawn_log_writer(&spec.log)?;
     let flags = libc::CLONE_NEWNS
         | libc::CLONE_NEWUTS
         | libc::CLONE_NEWIPC
@@ -189,7 +191,7 @@ fn launch(spec: &InitSpec) -> Result<i32, String> {
     }
     if pid == 0 {
         drop(rd);
-        let msg = match child(spec, filter.as_deref()) {
+        let msg = match child(spec, filter.as_deref(), &log_pipe) {
             Ok(never) => match never {},
             Err(m) => m,
         };
@@ -199,6 +201,7 @@ fn launch(spec: &InitSpec) -> Result<i32, String> {
         unsafe { libc::_exit(1) };
     }
     drop(wr);
+    drop(log_pipe);
     let mut msg = String::new();
     let _ = std::fs::File::from(rd).read_to_string(&mut msg);
     if !msg.is_empty() {
@@ -211,6 +214,86 @@ fn launch(spec: &InitSpec) -> Result<i32, String> {
 }
 
 enum Never {}
+
+/// Most bytes of a sandbox init's stdout/stderr kept in its log file; the rest is read and
+/// dropped, so a sandbox cannot fill the host's disk through `/proc/1/fd/1`.
+pub const LOG_CAP_BYTES: u64 = 8 << 20;
+
+/// Starts the process that copies the sandbox init's output into `log` (at most
+/// [`LOG_CAP_BYTES`]) and returns the write end of its pipe. The writer runs as nobody with no
+/// capabilities and `no_new_privs`, in the sandbox's cgroups (so it goes with the sandbox), and
+/// ends when the last writer closes the pipe.
+fn spawn_log_writer(log: &Path) -> Result<OwnedFd, String> {
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .map_err(|e| format!("open log {}: {e}", log.display()))?;
+    let mut fds = [0i32; 2];
+    // SAFETY: fds is a valid 2-element array.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(err("pipe"));
+    }
+    // SAFETY: fresh fds from pipe2, owned here.
+    let (rd, wr) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    // SAFETY: single-threaded process.
+    let pid = unsafe { libc::fork() };
+    if pid < 0 {
+        return Err(err("fork"));
+    }
+    if pid == 0 {
+        drop(wr);
+        // Off the launcher's stdout/stderr: cubelet reads those to their end.
+        if let Ok(null) = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/dev/null")
+        {
+            // SAFETY: dup2 onto the standard fds.
+            unsafe {
+                libc::dup2(null.as_raw_fd(), 0);
+                libc::dup2(null.as_raw_fd(), 1);
+                libc::dup2(null.as_raw_fd(), 2);
+            }
+        }
+        // nobody: leaving uid 0 clears every capability; the log file is already open.
+        // SAFETY: plain credential and prctl calls with integer arguments.
+        unsafe {
+            libc::setgroups(0, std::ptr::null());
+            libc::setresgid(65534, 65534, 65534);
+            libc::setresuid(65534, 65534, 65534);
+            libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0);
+        }
+        copy_capped(std::fs::File::from(rd), file, LOG_CAP_BYTES);
+        // SAFETY: leave without the parent's atexit handlers.
+        unsafe { libc::_exit(0) };
+    }
+    Ok(wr)
+}
+
+/// Copies `from` to `to` until EOF, at most `cap` bytes, then one note, then drains.
+fn copy_capped(mut from: impl Read, mut to: impl Write, cap: u64) {
+    let mut buf = vec![0u8; 64 << 10];
+    let mut kept = 0u64;
+    let mut noted = false;
+    loop {
+        let n = match from.read(&mut buf) {
+            Ok(0) => return,
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(_) => return,
+        };
+        let room = cap.saturating_sub(kept).min(n as u64) as usize;
+        if room > 0 {
+            let _ = to.write_all(&buf[..room]);
+            kept += room as u64;
+        }
+        if room < n && !noted {
+            let _ = writeln!(to, "\n[cube: sandbox output beyond {cap} bytes dropped]");
+            noted = true;
+        }
+    }
+}
 
 /// Bind-mounts the host's agent binary read-only at `target` (a path on the sandbox's own
 /// `/run` tmpfs, so no symlink in the image can redirect it).
@@ -260,7 +343,11 @@ fn mkdirs(p: &Path) -> Result<(), String> {
     std::fs::create_dir_all(p).map_err(|e| format!("mkdir {}: {e}", p.display()))
 }
 
-fn child(spec: &InitSpec, filter: Option<&[seccompiler::BpfProgram]>) -> Result<Never, String> {
+fn child(
+    spec: &InitSpec,
+    filter: Option<&[seccompiler::BpfProgram]>,
+    log: &OwnedFd,
+) -> Result<Never, String> {
     let root = &spec.root;
     mount(
         "none",
@@ -381,11 +468,6 @@ fn child(spec: &InitSpec, filter: Option<&[seccompiler::BpfProgram]>) -> Result<
     if unsafe { libc::sethostname(hn.as_ptr() as *const libc::c_char, hn.len()) } != 0 {
         return Err(err("sethostname"));
     }
-    let log = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&spec.log)
-        .map_err(|e| format!("open log {}: {e}", spec.log.display()))?;
     // pivot_root(".", ".") stacks the old root on top of the new one; detach it right away.
     let rc = cp(root);
     let dot = c(".");
@@ -413,7 +495,6 @@ fn child(spec: &InitSpec, filter: Option<&[seccompiler::BpfProgram]>) -> Result<
         libc::dup2(log.as_raw_fd(), 2);
     }
     drop(null);
-    drop(log);
     // Nothing of cubelet's may leak into the sandbox: close-on-exec for every other fd.
     // SAFETY: close_range with the CLOEXEC flag only marks fds.
     unsafe {
@@ -526,4 +607,26 @@ fn drop_caps(keep: &[u32]) -> Result<(), String> {
         return Err(err("capset"));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn output_beyond_the_cap_is_dropped_with_one_note() {
+        let input = vec![b'x'; 200_000];
+        let mut out = Vec::new();
+        copy_capped(&input[..], &mut out, 150_000);
+        let text = String::from_utf8(out).unwrap();
+        let (kept, rest) = text.split_at(150_000);
+        assert!(kept.bytes().all(|b| b == b'x'));
+        assert_eq!(
+            rest,
+            "\n[cube: sandbox output beyond 150000 bytes dropped]\n"
+        );
+        let mut out = Vec::new();
+        copy_capped(&b"short\n"[..], &mut out, 150_000);
+        assert_eq!(out, b"short\n");
+    }
 }

@@ -123,3 +123,38 @@ def test_the_probe_tells_a_refusal_from_a_success():
     assert verdict("refused", "killed 9")
     assert verdict("masked", "empty") is None and verdict("refused", "errno 30 x") is None
     assert verdict("refused", f"killed {SIGSYS}") is None
+
+
+LOG_CAP_BYTES = 8 << 20  # cubelet::sandbox_init::LOG_CAP_BYTES
+
+
+@pytest.mark.timeout(300)
+def test_a_sandbox_cannot_fill_the_host_disk_through_its_init_output(cube):
+    import glob
+    import os
+    import time
+    import uuid
+
+    mark = f"cube-flood-{uuid.uuid4().hex}"
+    sbx = Sandbox.create(TEMPLATE, timeout=120)
+    try:
+        # Init's stdout, reopened as root: twice the cap, straight at the host's log file.
+        sbx.commands.run(f"echo {mark} > /proc/1/fd/1; head -c {2 * LOG_CAP_BYTES} /dev/zero "
+                         "> /proc/1/fd/1", user="root", timeout=120)
+        deadline = time.time() + 60
+        log = None
+        while time.time() < deadline:
+            for p in glob.glob(os.path.join(cube.root, "data", "sandboxes", "*", "agent.log")):
+                with open(p, "rb") as f:
+                    body = f.read()
+                if mark.encode() in body and b"dropped]" in body:
+                    log = (p, len(body))
+            if log:
+                break
+            time.sleep(0.2)
+        assert log, "the flood never reached its end in the sandbox's log"
+        assert log[1] <= LOG_CAP_BYTES + 200, log
+        # The sandbox still answers.
+        assert sbx.commands.run("echo alive").stdout == "alive\n"
+    finally:
+        sbx.kill()
