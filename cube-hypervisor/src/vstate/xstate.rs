@@ -29,6 +29,8 @@ pub const RESTORE_PORT: u16 = 0x511;
 
 /// x87 and SSE: the legacy area, always valid in a guest kernel's FXSAVE-form buffer.
 pub const XFEATURE_FPSSE: u64 = 0x3;
+/// Protection-key rights (PKRU), bit 9 of XCR0.
+const XFEATURE_PKRU: u64 = 1 << 9;
 /// Legacy area and XSAVE header (XSTATE_BV, XCOMP_BV, reserved).
 const LEGACY_AND_HEADER: usize = 576;
 const XSTATE_BV: usize = 512;
@@ -80,7 +82,8 @@ pub fn host_xcr0() -> u64 {
 /// `usable` is what the guest can use: the host's XCR0 on PVM (native user mode), the table's
 /// own leaf 0xD elsewhere.
 pub fn check(layout: XsaveLayout, usable: u64) -> Result<(), String> {
-    let unsaved = usable & !layout.features;
+    // PKRU aside: guest kernels have no protection keys for their programs to use.
+    let unsaved = usable & !layout.features & !XFEATURE_PKRU;
     if unsaved != 0 {
         return Err(format!(
             "the guest can use XSAVE components {unsaved:#x} (XCR0 {usable:#x}) that KVM does not \
@@ -114,11 +117,18 @@ pub enum PvOp {
 impl PvXstate {
     /// Offered when the layout is one the guest kernel can hold (at least the legacy area and
     /// header, at most a page: the kernel's `union fpregs_state`).
+    /// The size offered is rounded up to 64 bytes (the guest kernel's buffers are multiples of
+    /// 64; with PKRU the state ends 8 bytes past one): the tail is zeros.
     pub fn new(layout: XsaveLayout) -> Option<PvXstate> {
-        let size = layout.size as usize;
+        let size = (layout.size as usize).next_multiple_of(64);
         (LEGACY_AND_HEADER..=KVM_XSAVE_BYTES)
             .contains(&size)
-            .then_some(PvXstate { layout })
+            .then_some(PvXstate {
+                layout: XsaveLayout {
+                    size: size as u32,
+                    ..layout
+                },
+            })
     }
 
     pub fn size(&self) -> u32 {
@@ -193,6 +203,9 @@ mod tests {
         assert!(e.contains("0xe0"), "{e}");
         assert!(check(layout(0xe7, 2432), 0xe7).is_ok());
         assert!(check(layout(0x2e7, 2696), 0xe7).is_ok());
+        // PKRU in XCR0 alone is not refused (guest kernels give their programs no pkeys).
+        assert!(check(layout(0xe7, 2432), 0x2e7).is_ok());
+        assert!(check(layout(0x7, 832), 0x2e7).is_err());
     }
 
     #[test]
@@ -221,6 +234,8 @@ mod tests {
         assert!(PvXstate::new(layout(0x3, 512)).is_none());
         assert!(PvXstate::new(layout(0x600e7, 11008)).is_none());
         assert_eq!(PvXstate::new(layout(0xe7, 2432)).unwrap().size(), 2432);
+        // With PKRU (8 bytes at 2688) the image is offered as a multiple of 64.
+        assert_eq!(PvXstate::new(layout(0x2e7, 2696)).unwrap().size(), 2752);
     }
 
     #[test]
