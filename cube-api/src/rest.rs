@@ -295,8 +295,12 @@ fn detail_json(s: &pb::SandboxInfo, cfg: &ApiConfig) -> Value {
         o.insert("envdAccessToken".into(), json!(s.access_token));
         o.insert("domain".into(), domain(cfg));
         o.insert("allowInternetAccess".into(), Value::Null);
-        // Not E2B's: which runtime isolates it ("microvm", or "namespace": a shared kernel).
+        // Not E2B's: which runtime runs it ("microvm", "namespace") and what boundary that is.
         o.insert("runtime".into(), json!(s.runtime));
+        o.insert(
+            "isolation".into(),
+            json!(cube_proto::isolation::of(&s.runtime)),
+        );
         o.insert(
             "lifecycle".into(),
             json!({"autoResume": false, "onTimeout": "kill"}),

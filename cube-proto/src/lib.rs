@@ -20,6 +20,7 @@ pub mod master {
 
 pub use node::v1 as nodev1;
 
+pub mod isolation;
 pub mod logging;
 pub mod systemd;
 pub mod tls;

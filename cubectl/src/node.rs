@@ -26,6 +26,7 @@ pub enum NodeCmd {
 pub fn node_json(n: &pb::NodeInfo) -> serde_json::Value {
     json!({
         "id": n.node_id, "address": n.address, "status": n.status, "runtime": n.runtime,
+        "isolation": cube_proto::isolation::of(&n.runtime),
         "sandboxes": n.sandboxes, "maxSandboxes": n.max_sandboxes, "templates": n.templates,
         "cordoned": n.cordoned, "version": n.version, "kvmKind": n.kvm_kind, "vcpus": n.vcpus,
         "memoryMib": n.memory_mib, "diskFreeMib": n.disk_free_mib, "lastSeenMs": n.last_seen_ms,
@@ -58,7 +59,7 @@ pub fn print_nodes(nodes: &[pb::NodeInfo]) {
             n.node_id.clone(),
             n.address.clone(),
             status,
-            n.runtime.clone(),
+            format!("{} ({})", n.runtime, cube_proto::isolation::of(&n.runtime)),
             sbx,
             if n.kvm_kind.is_empty() {
                 "-".into()

@@ -70,7 +70,8 @@ pub fn sandbox_json(s: &pb::SandboxInfo) -> serde_json::Value {
     json!({
         "id": s.sandbox_id, "team": s.team_id, "template": s.template, "build": s.build,
         "state": s.state, "reason": s.reason, "node": s.node_id, "agent": s.agent_address,
-        "runtime": s.runtime, "envdVersion": s.envd_version, "startedAtMs": s.started_at_ms,
+        "runtime": s.runtime, "isolation": cube_proto::isolation::of(&s.runtime),
+        "envdVersion": s.envd_version, "startedAtMs": s.started_at_ms,
         "endAtMs": s.end_at_ms, "vcpus": s.vcpus, "memoryMib": s.memory_mib,
         "diskMib": s.disk_mib, "metadata": s.metadata,
     })
@@ -139,6 +140,10 @@ fn print_one(s: &pb::SandboxInfo, as_json: bool) {
         ("team", s.team_id.clone()),
         ("node", s.node_id.clone()),
         ("runtime", s.runtime.clone()),
+        (
+            "isolation",
+            cube_proto::isolation::of(&s.runtime).to_string(),
+        ),
         ("agent", s.agent_address.clone()),
         ("shape", format!("{} vCPU, {} MiB", s.vcpus, s.memory_mib)),
         ("started", output::time_ms(s.started_at_ms)),

@@ -635,8 +635,9 @@ async fn finish_up(l: &Layout, a: &UpArgs, as_json: bool) -> anyhow::Result<()> 
     }
     let dd = l.data_dir.display();
     note(&format!(
-        "Cube is up (runtime: {}). Logs: {dd}/logs. Status: cubectl status --data-dir {dd}. Stop: {}",
+        "Cube is up (runtime: {}, isolation: {}). Logs: {dd}/logs. Status: cubectl status --data-dir {dd}. Stop: {}",
         n.runtime,
+        cube_proto::isolation::of(&n.runtime),
         if a.foreground {
             "Ctrl-C".to_string()
         } else {

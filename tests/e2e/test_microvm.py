@@ -31,7 +31,8 @@ def test_linux_microvm_sandbox_lifecycle_through_the_sdk(cube_microvm):
     b = None
     try:
         with microvm_logs.on_failure(cube_microvm):
-            assert detail(cube_microvm, a.sandbox_id)["runtime"] == "microvm"
+            d = detail(cube_microvm, a.sandbox_id)
+            assert (d["runtime"], d["isolation"]) == ("microvm", "hardware-virtualization"), d
             # Its own kernel (the guest's, not the host's), booted with the init channel.
             r = a.commands.run("cat /proc/sys/kernel/osrelease /proc/cmdline; echo $CUBE_WHO")
             lines = r.stdout.splitlines()

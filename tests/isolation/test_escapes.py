@@ -8,6 +8,9 @@ Runtime: `namespace`, the one whose boundary is the host kernel. (On `microvm` t
 reach the guest's own kernel, which is the point of a VM.)
 """
 
+import json
+import urllib.request
+
 import pytest
 from e2b import Sandbox
 
@@ -57,9 +60,19 @@ EXPECT = {
 FORBIDDEN_CAPS = [2, 9, 12, 14, 16, 17, 19, 21, 22, 24, 25, 27, 33, 34, 38, 39, 40]
 
 
-def run_probe(probe):
+def detail(cube, sid):
+    req = urllib.request.Request(f"{cube.api_url}/sandboxes/{sid}")
+    req.add_header("X-API-KEY", cube.api_key)
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def run_probe(cube, probe):
     sbx = Sandbox.create(TEMPLATE, timeout=120)
     try:
+        # The API says what boundary this sandbox has.
+        d = detail(cube, sbx.sandbox_id)
+        assert (d["runtime"], d["isolation"]) == ("namespace", "shared-kernel"), d
         sbx.files.write("/tmp/escape_probe", probe)
         r = sbx.commands.run("chmod 755 /tmp/escape_probe && /tmp/escape_probe", user="root",
                              timeout=120)
@@ -96,7 +109,7 @@ def verdict(want, got):
 
 @pytest.mark.timeout(300)
 def test_root_in_a_sandbox_cannot_reach_the_host(cube, probe):
-    out = run_probe(probe)
+    out = run_probe(cube, probe)
     print(out)
     got, status = parse(out)
     missing = sorted(set(EXPECT) - set(got))
