@@ -135,6 +135,11 @@ pub struct SandboxConfig {
     pub agent_args: Vec<String>,
     pub ready_timeout_ms: u32,
     pub seccomp: bool,
+    /// Sandbox uids and gids 0..id_count are host ids id_base.. (a user namespace): root in a
+    /// sandbox is not host root. `user_namespace = false` runs sandboxes as host root (tests).
+    pub user_namespace: bool,
+    pub id_base: u32,
+    pub id_count: u32,
     pub run_size_mib: u64,
     pub tmp_size_mib: u64,
     pub hostname: String,
@@ -222,6 +227,10 @@ impl Default for SandboxConfig {
             agent_args: vec![],
             ready_timeout_ms: 10_000,
             seccomp: true,
+            user_namespace: true,
+            // Above the ids Debian gives users and their /etc/subuid ranges (100000 + 65536 n).
+            id_base: 1_000_000_000,
+            id_count: 65536,
             run_size_mib: 64,
             tmp_size_mib: 512,
             hostname: "sandbox".into(),

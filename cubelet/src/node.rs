@@ -246,7 +246,7 @@ fn warn_shared_kernel(why: &str) {
     tracing::warn!(
         reason = why,
         "SANDBOXES ON THIS NODE SHARE THE HOST KERNEL: runtime \"namespace\" (namespaces, \
-         seccomp allow-list, no_new_privs, dropped capabilities; no user namespace yet). \
+         a user namespace, seccomp allow-list, no_new_privs, dropped capabilities). \
          Untrusted code is safer in the \"microvm\" runtime (a host with VMX/SVM)"
     );
 }
@@ -333,6 +333,13 @@ impl Node {
             agent_args,
             hostname: cfg.sandbox.hostname.clone(),
             seccomp: cfg.sandbox.seccomp,
+            ids: cfg
+                .sandbox
+                .user_namespace
+                .then_some(crate::sandbox_init::IdMap {
+                    base: cfg.sandbox.id_base,
+                    count: cfg.sandbox.id_count,
+                }),
             run_size_mib: cfg.sandbox.run_size_mib,
             tmp_size_mib: cfg.sandbox.tmp_size_mib,
             pids_max: cfg.sandbox.pids_max,

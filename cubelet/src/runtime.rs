@@ -3,8 +3,10 @@
 //! namespaces, cgroup limits, Docker's capabilities less CAP_MKNOD, `no_new_privs`, an
 //! allow-list seccomp filter (`seccomp.rs`), OCI's masked and read-only `/proc` paths,
 //! `nosuid,nodev` mounts and a device allow-list (`sandbox_init.rs`, `cgroup.rs`). Isolation
-//! is a shared kernel, like a container: weaker than `microvm`, and reported as such. Not yet:
-//! a user namespace (sandbox root is host uid 0, see issue 16).
+//! is a shared kernel, like a container: weaker than `microvm`, and reported as such. Each
+//! sandbox has a user namespace (`[sandbox] user_namespace`, ids from `id_base`): its root is
+//! an unprivileged host id, and its disk is an idmapped mount, so the image's root-owned files
+//! are its root's.
 
 use crate::cgroup::{Cgroups, Limits};
 use crate::sandbox_init::{InitResult, InitSpec, SPEC_ENV};
@@ -34,6 +36,8 @@ pub struct LaunchSettings {
     pub agent_args: Vec<String>,
     pub hostname: String,
     pub seccomp: bool,
+    /// The sandbox's ids in host terms (its user namespace), if it has one.
+    pub ids: Option<crate::sandbox_init::IdMap>,
     pub run_size_mib: u64,
     pub tmp_size_mib: u64,
     pub pids_max: u64,
@@ -122,6 +126,7 @@ pub fn launch_prepared(
         log: paths.log(),
         keep_caps: crate::sandbox_init::AGENT_CAPS.to_vec(),
         seccomp: settings.seccomp,
+        ids: settings.ids,
         run_size_mib: settings.run_size_mib,
         tmp_size_mib: settings.tmp_size_mib,
     };

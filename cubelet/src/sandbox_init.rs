@@ -39,8 +39,25 @@ pub struct InitSpec {
     pub log: PathBuf,
     pub keep_caps: Vec<u32>,
     pub seccomp: bool,
+    /// The sandbox's user namespace: its ids 0..count are host ids base.. .
+    #[serde(default)]
+    pub ids: Option<IdMap>,
     pub run_size_mib: u64,
     pub tmp_size_mib: u64,
+}
+
+/// Sandbox ids 0..count are host ids base..base+count (uids and gids alike).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IdMap {
+    pub base: u32,
+    pub count: u32,
+}
+
+impl IdMap {
+    /// The host id of sandbox id `id`.
+    pub fn host(&self, id: u32) -> u32 {
+        self.base + id
+    }
 }
 
 /// What the launcher prints on success.
@@ -161,8 +178,17 @@ fn launch(spec: &InitSpec) -> Result<i32, String> {
     // without CAP_NET_RAW or a setuid/file-capability binary (no_new_privs ignores both).
     // /proc/sys/net is the namespace of the writer: the sandbox's.
     let _ = std::fs::write("/proc/sys/net/ipv4/ping_group_range", "0 2147483647");
-    // Forked before the new PID namespace, so it stays outside the sandbox's.
+    // Forked before the new PID namespace, so they stay outside the sandbox's.
     let log_pipe = spawn_log_writer(&spec.log)?;
+    let userns = match spec.ids {
+        Some(ids) => {
+            // Root of a user namespace holds no capability over the network namespace (the
+            // host's user namespace owns it): low ports must be open to every uid.
+            let _ = std::fs::write("/proc/sys/net/ipv4/ip_unprivileged_port_start", "0");
+            Some(make_userns(ids)?)
+        }
+        None => None,
+    };
     let flags = libc::CLONE_NEWNS
         | libc::CLONE_NEWUTS
         | libc::CLONE_NEWIPC
@@ -191,7 +217,7 @@ fn launch(spec: &InitSpec) -> Result<i32, String> {
     }
     if pid == 0 {
         drop(rd);
-        let msg = match child(spec, filter.as_deref(), &log_pipe) {
+        let msg = match child(spec, filter.as_deref(), &log_pipe, userns.as_ref()) {
             Ok(never) => match never {},
             Err(m) => m,
         };
@@ -214,6 +240,164 @@ fn launch(spec: &InitSpec) -> Result<i32, String> {
 }
 
 enum Never {}
+
+/// A user namespace whose ids 0..count are host ids base.. : a helper process unshares it and
+/// waits while this one (root in the host's namespace) writes its maps; the namespace stays
+/// alive through the returned fd.
+fn make_userns(ids: IdMap) -> Result<OwnedFd, String> {
+    let mut ready = [0i32; 2];
+    let mut hold = [0i32; 2];
+    // SAFETY: valid 2-element arrays.
+    if unsafe { libc::pipe2(ready.as_mut_ptr(), libc::O_CLOEXEC) } != 0
+        || unsafe { libc::pipe2(hold.as_mut_ptr(), libc::O_CLOEXEC) } != 0
+    {
+        return Err(err("pipe"));
+    }
+    // SAFETY: fresh fds from pipe2, owned here.
+    let (ready_r, ready_w, hold_r, hold_w) = unsafe {
+        (
+            OwnedFd::from_raw_fd(ready[0]),
+            OwnedFd::from_raw_fd(ready[1]),
+            OwnedFd::from_raw_fd(hold[0]),
+            OwnedFd::from_raw_fd(hold[1]),
+        )
+    };
+    // SAFETY: single-threaded process.
+    let pid = unsafe { libc::fork() };
+    if pid < 0 {
+        return Err(err("fork"));
+    }
+    if pid == 0 {
+        drop((ready_r, hold_w));
+        // SAFETY: unshare, then plain reads and writes on our own pipes.
+        unsafe {
+            let ok: u8 = (libc::unshare(libc::CLONE_NEWUSER) == 0).into();
+            libc::write(
+                ready_w.as_raw_fd(),
+                &ok as *const u8 as *const libc::c_void,
+                1,
+            );
+            let mut b = 0u8;
+            libc::read(
+                hold_r.as_raw_fd(),
+                &mut b as *mut u8 as *mut libc::c_void,
+                1,
+            );
+            libc::_exit(0);
+        }
+    }
+    drop((ready_w, hold_r));
+    let result = (|| {
+        let mut ok = [0u8; 1];
+        std::fs::File::from(ready_r)
+            .read_exact(&mut ok)
+            .map_err(|e| format!("user namespace helper: {e}"))?;
+        if ok[0] != 1 {
+            return Err("unshare(CLONE_NEWUSER) failed in the helper".to_string());
+        }
+        let map = format!("0 {} {}", ids.base, ids.count);
+        for f in ["uid_map", "gid_map"] {
+            std::fs::write(format!("/proc/{pid}/{f}"), &map)
+                .map_err(|e| format!("write {f} of the user namespace ({map}): {e}"))?;
+        }
+        std::fs::File::open(format!("/proc/{pid}/ns/user"))
+            .map(OwnedFd::from)
+            .map_err(|e| format!("open the user namespace: {e}"))
+    })();
+    drop(hold_w);
+    let mut st = 0;
+    // SAFETY: reap the helper (it exits once `hold` closes).
+    unsafe { libc::waitpid(pid, &mut st, 0) };
+    result
+}
+
+/// Replaces the mount at `root` with an idmapped copy: files the image owns as uid/gid N are
+/// the sandbox's N, that is host id base+N, and what the sandbox writes lands on disk as N.
+fn idmap_mount(root: &Path, userns: &OwnedFd) -> Result<(), String> {
+    #[repr(C)]
+    struct MountAttr {
+        attr_set: u64,
+        attr_clr: u64,
+        propagation: u64,
+        userns_fd: u64,
+    }
+    const OPEN_TREE_CLONE: libc::c_uint = 1;
+    const MOUNT_ATTR_IDMAP: u64 = 0x0010_0000;
+    const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x4;
+    let rp = cp(root);
+    let empty = c("");
+    // SAFETY: valid C strings; the returned fd is checked and owned.
+    let tree = unsafe {
+        libc::syscall(
+            libc::SYS_open_tree,
+            libc::AT_FDCWD,
+            rp.as_ptr(),
+            OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint,
+        )
+    };
+    if tree < 0 {
+        return Err(err("open_tree of the sandbox root"));
+    }
+    // SAFETY: open_tree returned a new fd.
+    let tree = unsafe { OwnedFd::from_raw_fd(tree as i32) };
+    let attr = MountAttr {
+        attr_set: MOUNT_ATTR_IDMAP,
+        attr_clr: 0,
+        propagation: 0,
+        userns_fd: userns.as_raw_fd() as u64,
+    };
+    // SAFETY: a valid fd, an empty path with AT_EMPTY_PATH, and a mount_attr of its size.
+    if unsafe {
+        libc::syscall(
+            libc::SYS_mount_setattr,
+            tree.as_raw_fd(),
+            empty.as_ptr(),
+            libc::AT_EMPTY_PATH as libc::c_uint,
+            &attr as *const MountAttr,
+            std::mem::size_of::<MountAttr>(),
+        )
+    } != 0
+    {
+        return Err(err("idmap the sandbox root (mount_setattr)"));
+    }
+    // SAFETY: detach the plain mount; the idmapped clone takes its place.
+    if unsafe { libc::umount2(rp.as_ptr(), libc::MNT_DETACH) } != 0 {
+        return Err(err("detach the sandbox root"));
+    }
+    // SAFETY: valid fd and C strings.
+    if unsafe {
+        libc::syscall(
+            libc::SYS_move_mount,
+            tree.as_raw_fd(),
+            empty.as_ptr(),
+            libc::AT_FDCWD,
+            rp.as_ptr(),
+            MOVE_MOUNT_F_EMPTY_PATH,
+        )
+    } != 0
+    {
+        return Err(err("attach the idmapped sandbox root"));
+    }
+    Ok(())
+}
+
+/// Joins the sandbox's user namespace as its root (full capabilities there, none over the
+/// host; the bounding set is cut right after).
+fn enter_userns(userns: &OwnedFd) -> Result<(), String> {
+    // SAFETY: setns with an fd we own, then credential calls with integer arguments.
+    unsafe {
+        if libc::setns(userns.as_raw_fd(), libc::CLONE_NEWUSER) != 0 {
+            return Err(err("setns(user)"));
+        }
+        if libc::setgroups(0, std::ptr::null()) != 0 {
+            return Err(err("setgroups in the user namespace"));
+        }
+        if libc::setresgid(0, 0, 0) != 0 || libc::setresuid(0, 0, 0) != 0 {
+            return Err(err("become root of the user namespace"));
+        }
+    }
+    Ok(())
+}
 
 /// Most bytes of a sandbox init's stdout/stderr kept in its log file; the rest is read and
 /// dropped, so a sandbox cannot fill the host's disk through `/proc/1/fd/1`.
@@ -347,6 +531,7 @@ fn child(
     spec: &InitSpec,
     filter: Option<&[seccompiler::BpfProgram]>,
     log: &OwnedFd,
+    userns: Option<&OwnedFd>,
 ) -> Result<Never, String> {
     let root = &spec.root;
     mount(
@@ -370,6 +555,15 @@ fn child(
         return Err(e.to_string());
     }
     dev.release();
+    if let Some(ns) = userns {
+        idmap_mount(root, ns)?;
+    }
+    // tmpfs and devpts owned by the sandbox's root (and tty group) where it has its own ids.
+    let owner = spec
+        .ids
+        .map(|m| format!(",uid={},gid={}", m.host(0), m.host(0)))
+        .unwrap_or_default();
+    let tty_gid = spec.ids.map_or(5, |m| m.host(5));
     let nosuid = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
     for d in ["proc", "sys", "dev", "run", "tmp", "sbin"] {
         mkdirs(&root.join(d))?;
@@ -388,7 +582,7 @@ fn child(
         &devd,
         "tmpfs",
         libc::MS_NOSUID | libc::MS_NOEXEC,
-        "mode=755,size=64k",
+        &format!("mode=755,size=64k{owner}"),
     )?;
     for (name, major, minor) in [
         ("null", 1, 3),
@@ -421,14 +615,14 @@ fn child(
         &devd.join("pts"),
         "devpts",
         libc::MS_NOSUID | libc::MS_NOEXEC,
-        "newinstance,ptmxmode=0666,mode=0620,gid=5",
+        &format!("newinstance,ptmxmode=0666,mode=0620,gid={tty_gid}"),
     )?;
     mount(
         "shm",
         &devd.join("shm"),
         "tmpfs",
         nosuid,
-        "mode=1777,size=65536k",
+        &format!("mode=1777,size=65536k{owner}"),
     )?;
     for (link, target) in [
         ("ptmx", "pts/ptmx"),
@@ -445,7 +639,7 @@ fn child(
         &root.join("run"),
         "tmpfs",
         libc::MS_NOSUID | libc::MS_NODEV,
-        &format!("mode=755,size={}m", spec.run_size_mib),
+        &format!("mode=755,size={}m{owner}", spec.run_size_mib),
     )?;
     if let Some(host) = &spec.agent_host {
         bind_agent(host, &root.join(spec.agent_path.trim_start_matches('/')))?;
@@ -455,7 +649,7 @@ fn child(
         &root.join("tmp"),
         "tmpfs",
         libc::MS_NOSUID | libc::MS_NODEV,
-        &format!("mode=1777,size={}m", spec.tmp_size_mib),
+        &format!("mode=1777,size={}m{owner}", spec.tmp_size_mib),
     )?;
     mask_paths(root)?;
     // Devices beyond the allow-list are closed from here on (the loop device is mounted).
@@ -505,6 +699,9 @@ fn child(
             4u32, /* CLOSE_RANGE_CLOEXEC */
         )
     };
+    if let Some(ns) = userns {
+        enter_userns(ns)?;
+    }
     drop_caps(&spec.keep_caps)?;
     match filter {
         Some(f) => crate::seccomp::install(f).map_err(|e| format!("seccomp: {e}"))?,

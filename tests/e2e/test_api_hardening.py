@@ -2,6 +2,7 @@
 E2B-shaped JSON error (never a 500 or a hang) and creates nothing; per-key rate limits (429 +
 Retry-After); the OpenAPI document; Prometheus metrics; the edge's sandbox cache."""
 
+import errno
 import json
 import os
 import re
@@ -220,8 +221,10 @@ def _raw_http(port, data):
         try:
             s.sendall(data)
             s.shutdown(socket.SHUT_WR)
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the server may refuse mid-way: that is an allowed answer
+        except OSError as e:
+            # The server may refuse mid-way (and may already have closed): an allowed answer.
+            if e.errno not in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN):
+                raise
         out = b""
         try:
             while chunk := s.recv(65536):

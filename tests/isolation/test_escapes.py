@@ -151,9 +151,18 @@ def test_a_sandbox_cannot_fill_the_host_disk_through_its_init_output(cube):
     mark = f"cube-flood-{uuid.uuid4().hex}"
     sbx = Sandbox.create(TEMPLATE, timeout=120)
     try:
-        # Init's stdout, reopened as root: twice the cap, straight at the host's log file.
-        sbx.commands.run(f"echo {mark} > /proc/1/fd/1; head -c {2 * LOG_CAP_BYTES} /dev/zero "
-                         "> /proc/1/fd/1", user="root", timeout=120)
+        # Init's stdout, reopened as root: twice the cap at the host's log file. With a user
+        # namespace the pipe (the host's) does not even open; then nothing got through.
+        r = sbx.commands.run(f"(echo {mark} > /proc/1/fd/1 && head -c {2 * LOG_CAP_BYTES} "
+                             "/dev/zero > /proc/1/fd/1) 2>&1; echo rc=$?", user="root",
+                             timeout=120)
+        if "Permission denied" in r.stdout:
+            assert "rc=1" in r.stdout, r.stdout
+            for p in glob.glob(os.path.join(cube.root, "data", "sandboxes", "*", "agent.log")):
+                with open(p, "rb") as f:
+                    assert mark.encode() not in f.read(), p
+            return
+        assert "rc=0" in r.stdout, r.stdout
         deadline = time.time() + 60
         log = None
         while time.time() < deadline:
@@ -169,5 +178,35 @@ def test_a_sandbox_cannot_fill_the_host_disk_through_its_init_output(cube):
         assert log[1] <= LOG_CAP_BYTES + 200, log
         # The sandbox still answers.
         assert sbx.commands.run("echo alive").stdout == "alive\n"
+    finally:
+        sbx.kill()
+
+
+@pytest.mark.timeout(300)
+def test_root_in_a_sandbox_is_not_root_on_the_host(cube):
+    import os
+    import uuid
+
+    mark = f"cube-owner-{uuid.uuid4().hex}"
+    dirs = ["tmp", "root", "etc", "usr", "home/user"]
+    sbx = Sandbox.create(TEMPLATE, timeout=120)
+    try:
+        # Root of its own user namespace, which can still write its whole root filesystem.
+        r = sbx.commands.run("cat /proc/self/uid_map; id -u; "
+                             + "; ".join(f"touch /{d}/{mark}" for d in dirs), user="root")
+        first, uid = r.stdout.splitlines()[:2]
+        inside, outside, count = (int(x) for x in first.split())
+        assert uid == "0" and inside == 0 and outside != 0 and count >= 65536, r.stdout
+        # From the host, through the sandbox's own mounts: owned by its mapped root.
+        pids = [p for p in os.listdir("/proc") if p.isdigit()
+                and os.path.exists(f"/proc/{p}/root/tmp/{mark}")]
+        assert pids, "no host process has the sandbox's root"
+        for d in dirs:
+            st = os.stat(f"/proc/{pids[0]}/root/{d}/{mark}")
+            assert (st.st_uid, st.st_gid) == (outside, outside), (d, st.st_uid, st.st_gid)
+        # And a user's file is the user's mapped id.
+        sbx.commands.run(f"touch /home/user/{mark}-user", user="user")
+        st = os.stat(f"/proc/{pids[0]}/root/home/user/{mark}-user")
+        assert st.st_uid == outside + 1000, st.st_uid
     finally:
         sbx.kill()
