@@ -271,6 +271,7 @@ impl Cgroups {
                 let f = d.join("freezer.state");
                 let want = if frozen { "FROZEN" } else { "THAWED" };
                 write(&f, want)?;
+                let mut polls = 0u32;
                 loop {
                     let s = std::fs::read_to_string(&f).unwrap_or_default();
                     if s.trim() == want {
@@ -278,6 +279,12 @@ impl Cgroups {
                     }
                     if start.elapsed() > timeout {
                         return Err(CgroupError::Timeout(key.into(), "freeze", timeout));
+                    }
+                    // v1 stays FREEZING when a task escaped the first pass (one forked at that
+                    // moment, say); writing FROZEN again freezes what is left.
+                    polls += 1;
+                    if polls.is_multiple_of(20) {
+                        write(&f, want)?;
                     }
                     std::thread::sleep(Duration::from_millis(1));
                 }
