@@ -203,13 +203,7 @@ fn launch(spec: &InitSpec) -> Result<i32, String> {
     } else {
         None
     };
-    let mut fds = [0i32; 2];
-    // SAFETY: fds is a valid 2-element array.
-    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-        return Err(err("pipe"));
-    }
-    // SAFETY: fresh fds from pipe2, owned here.
-    let (rd, wr) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    let (rd, wr) = pipe()?;
     // SAFETY: this process is single-threaded (sandbox-init runs before any runtime starts).
     let pid = unsafe { libc::fork() };
     if pid < 0 {
@@ -245,23 +239,8 @@ enum Never {}
 /// waits while this one (root in the host's namespace) writes its maps; the namespace stays
 /// alive through the returned fd.
 fn make_userns(ids: IdMap) -> Result<OwnedFd, String> {
-    let mut ready = [0i32; 2];
-    let mut hold = [0i32; 2];
-    // SAFETY: valid 2-element arrays.
-    if unsafe { libc::pipe2(ready.as_mut_ptr(), libc::O_CLOEXEC) } != 0
-        || unsafe { libc::pipe2(hold.as_mut_ptr(), libc::O_CLOEXEC) } != 0
-    {
-        return Err(err("pipe"));
-    }
-    // SAFETY: fresh fds from pipe2, owned here.
-    let (ready_r, ready_w, hold_r, hold_w) = unsafe {
-        (
-            OwnedFd::from_raw_fd(ready[0]),
-            OwnedFd::from_raw_fd(ready[1]),
-            OwnedFd::from_raw_fd(hold[0]),
-            OwnedFd::from_raw_fd(hold[1]),
-        )
-    };
+    let (ready_r, ready_w) = pipe()?;
+    let (hold_r, hold_w) = pipe()?;
     // SAFETY: single-threaded process.
     let pid = unsafe { libc::fork() };
     if pid < 0 {
@@ -413,13 +392,7 @@ fn spawn_log_writer(log: &Path) -> Result<OwnedFd, String> {
         .append(true)
         .open(log)
         .map_err(|e| format!("open log {}: {e}", log.display()))?;
-    let mut fds = [0i32; 2];
-    // SAFETY: fds is a valid 2-element array.
-    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-        return Err(err("pipe"));
-    }
-    // SAFETY: fresh fds from pipe2, owned here.
-    let (rd, wr) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    let (rd, wr) = pipe()?;
     // SAFETY: single-threaded process.
     let pid = unsafe { libc::fork() };
     if pid < 0 {
@@ -521,6 +494,17 @@ fn mask_paths(root: &Path) -> Result<(), String> {
         mount(&ps, &p, "", libc::MS_BIND | libc::MS_REMOUNT | ro, "")?;
     }
     Ok(())
+}
+
+/// A close-on-exec pipe: (read end, write end).
+fn pipe() -> Result<(OwnedFd, OwnedFd), String> {
+    let mut fds = [0i32; 2];
+    // SAFETY: fds is a valid 2-element array.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(err("pipe"));
+    }
+    // SAFETY: fresh fds from pipe2, owned here.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
 }
 
 fn mkdirs(p: &Path) -> Result<(), String> {
