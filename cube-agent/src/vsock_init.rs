@@ -109,7 +109,7 @@ fn connect(port: u32) -> std::io::Result<std::fs::File> {
 /// Longest wait for start-up work (the interpreter's pre-started worker) before the first
 /// `redy`: a template snapshot taken after it holds that work done, but a worker that never
 /// comes up must not keep the template from being built.
-const MAX_WARM_WAIT: Duration = Duration::from_secs(60);
+const MAX_WARM_WAIT: Duration = Duration::from_secs(180);
 
 /// Waits until nothing is warming (what `GET /health?warm` reports), at most `max`.
 fn wait_warm(state: &Shared, max: Duration) {

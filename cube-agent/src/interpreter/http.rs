@@ -15,6 +15,9 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
 
+/// Longest wait for the pre-started worker to be ready.
+pub const PRESTART_READY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(150);
+
 /// The interpreter server's state.
 pub struct Interpreter {
     pub agent: Shared,
@@ -64,18 +67,18 @@ impl Interpreter {
         }
     }
 
-    /// Creates the default Python context and starts its worker.
+    /// Creates the default Python context and starts its worker (ready within
+    /// [`PRESTART_READY_TIMEOUT`]).
     pub async fn prestart(&self) {
         let ctx = self
             .registry
             .default_for(Language::Python, self.default_cwd());
         match self.spawn_spec() {
             Ok(spec) => {
-                // Ready, not just spawned: the node pools this sandbox once this returns.
-                if let Err(e) = ctx
-                    .ensure_ready(&spec, std::time::Duration::from_secs(30))
-                    .await
-                {
+                // Ready, not just spawned: the node pools this sandbox once this returns. On a
+                // host whose guest kernel mode is emulated (PVM) the first start of Python
+                // takes tens of seconds; a template snapshotted before it is cold.
+                if let Err(e) = ctx.ensure_ready(&spec, PRESTART_READY_TIMEOUT).await {
                     tracing::warn!("pre-starting the Python context: {e}");
                 }
             }
