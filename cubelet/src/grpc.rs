@@ -83,7 +83,6 @@ fn sandbox_to(node: &Node, s: &SandboxState) -> pb::Sandbox {
         Phase::Creating | Phase::Pooled => pb::SandboxState::Creating,
         Phase::Running => pb::SandboxState::Running,
         Phase::Paused => pb::SandboxState::Paused,
-        #[cfg(feature = "microvm")]
         Phase::Failed => pb::SandboxState::Failed,
     };
     pb::Sandbox {
@@ -91,7 +90,7 @@ fn sandbox_to(node: &Node, s: &SandboxState) -> pb::Sandbox {
         template: s.template.clone(),
         build: s.build.clone(),
         state: state as i32,
-        runtime: s.runtime().into(),
+        runtime: s.runtime.name().into(),
         shape: Some(pb::Shape {
             vcpus: s.shape.vcpus,
             memory_mib: s.shape.memory_mib,
@@ -99,18 +98,11 @@ fn sandbox_to(node: &Node, s: &SandboxState) -> pb::Sandbox {
         }),
         metadata: s.metadata.clone().into_iter().collect(),
         agent_address: node.agent_address(s),
-        #[cfg(not(feature = "microvm"))]
         host_interface: s
             .endpoint
             .as_ref()
             .map(|e| e.host_if.clone())
-            .unwrap_or_default(),
-        #[cfg(feature = "microvm")]
-        host_interface: s
-            .endpoint
-            .as_ref()
-            .map(|e| e.host_if.clone())
-            .or_else(|| s.microvm.as_ref().and_then(|m| m.tap.clone()))
+            .or_else(|| s.runtime.microvm().and_then(|m| m.tap.clone()))
             .unwrap_or_default(),
         created_at_ms: s.created_at_ms,
         create_latency_us: s.create_latency_us,
@@ -297,11 +289,7 @@ impl pb::node_server::Node for NodeService {
         let (m, reused) = self.node.snapshot(&r.sandbox_id, &r.template).await?;
         Ok(Response::new(pb::SnapshotSandboxResponse {
             template: Some(template_to(&m, reused)),
-            // The microvm runtime snapshots memory and devices too.
-            #[cfg(feature = "microvm")]
-            filesystem_only: self.node.selection.runtime != crate::microvm::RUNTIME_NAME,
-            #[cfg(not(feature = "microvm"))]
-            filesystem_only: true,
+            filesystem_only: self.node.snapshot_kind() == crate::runtime::SnapshotKind::Filesystem,
         }))
     }
 
@@ -327,7 +315,7 @@ impl pb::node_server::Node for NodeService {
         &self,
         _req: Request<pb::ListTemplatesRequest>,
     ) -> Result<Response<pb::ListTemplatesResponse>, Status> {
-        let v = self.node.templates.list();
+        let v = self.node.host.templates.list();
         Ok(Response::new(pb::ListTemplatesResponse {
             templates: v
                 .iter()
@@ -422,14 +410,7 @@ impl pb::node_server::Node for NodeService {
         &self,
         req: Request<pb::SandboxRef>,
     ) -> Result<Response<pb::SandboxStatsResponse>, Status> {
-        let st = self.node.get(&req.into_inner().sandbox_id).await?;
-        #[cfg(feature = "microvm")]
-        if st.microvm.is_some() {
-            return Ok(Response::new(
-                crate::stats::sample_microvm(&self.node, &st).await?,
-            ));
-        }
-        let r = crate::stats::sample(&self.node, &st)?;
+        let r = self.node.sample(&req.into_inner().sandbox_id).await?;
         Ok(Response::new(r))
     }
 
@@ -450,10 +431,11 @@ impl pb::node_server::Node for NodeService {
                 .map(|x| x.get() as u32)
                 .unwrap_or(1),
             memory_mib: mem_total_mib(),
-            disk_free_mib: disk_free_mib(&n.cfg.data_dir),
-            max_sandboxes: n.cfg.sandbox.max_sandboxes,
+            disk_free_mib: disk_free_mib(&n.host.cfg.data_dir),
+            max_sandboxes: n.host.cfg.sandbox.max_sandboxes,
         };
         let mut templates: Vec<String> = n
+            .host
             .templates
             .list()
             .into_iter()
@@ -462,16 +444,10 @@ impl pb::node_server::Node for NodeService {
             .collect();
         templates.dedup();
         Ok(Response::new(pb::NodeStatusResponse {
-            node_id: n.cfg.node_id(),
+            node_id: n.host.cfg.node_id(),
             version: env!("CARGO_PKG_VERSION").into(),
-            #[cfg(feature = "microvm")]
             runtime: n.selection.runtime.into(),
-            #[cfg(feature = "microvm")]
             kvm_kind: n.selection.kvm_kind.clone(),
-            #[cfg(not(feature = "microvm"))]
-            runtime: crate::runtime::RUNTIME_NAME.into(),
-            #[cfg(not(feature = "microvm"))]
-            kvm_kind: crate::node::kvm_kind(),
             capacity: Some(cap),
             allocated: Some(alloc),
             // Every sandbox, creating ones too (the master's in-flight count relies on it);
@@ -481,15 +457,15 @@ impl pb::node_server::Node for NodeService {
             pools: n
                 .pool_levels()
                 .into_iter()
-                .map(|(pool, template, ready, target)| pb::PoolLevel {
-                    pool,
-                    template,
-                    ready,
-                    target,
+                .map(|l| pb::PoolLevel {
+                    pool: l.pool,
+                    template: l.template,
+                    ready: l.ready,
+                    target: l.target,
                 })
                 .collect(),
-            storage_mode: n.storage_mode.as_str().into(),
-            cgroup_mode: n.cg.mode_name().into(),
+            storage_mode: n.host.storage_mode.as_str().into(),
+            cgroup_mode: n.host.cg.mode_name().into(),
         }))
     }
 }

@@ -70,7 +70,7 @@ enum Cmd {
 fn main() {
     // The sandbox launcher must run before any thread exists (it forks).
     if std::env::args().nth(1).as_deref() == Some("sandbox-init") {
-        std::process::exit(cubelet::sandbox_init::main());
+        std::process::exit(cubelet::runtime::namespace::init::main());
     }
     let cli = Cli::parse();
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()

@@ -123,7 +123,7 @@ fn mem_available_mib() -> u64 {
 
 /// Starts the registration loop when `[master] address` is set.
 pub fn spawn(node: Arc<Node>) -> Option<tokio::task::JoinHandle<()>> {
-    if node.cfg.master.address.trim().is_empty() {
+    if node.host.cfg.master.address.trim().is_empty() {
         return None;
     }
     Some(tokio::spawn(run(node)))
@@ -153,7 +153,7 @@ impl Quiet {
 }
 
 async fn run(node: Arc<Node>) {
-    let link_cfg = node.cfg.master.clone();
+    let link_cfg = node.host.cfg.master.clone();
     let master = link_cfg.address.trim().to_string();
     // Over mutual TLS when `[tls]` is set (cube_proto::tls::set_process_tls in main).
     let ep = match cube_proto::tls::client_endpoint(&master) {
@@ -166,9 +166,9 @@ async fn run(node: Arc<Node>) {
         }
     };
     let mut client = MasterClient::new(ep.connect_lazy());
-    let node_id = node.cfg.node_id();
-    let path: PathBuf = node.cfg.data_dir.join(LINK_FILE);
-    let advertise = advertise_url(&link_cfg.advertise, &node.cfg.grpc_addr);
+    let node_id = node.host.cfg.node_id();
+    let path: PathBuf = node.host.cfg.data_dir.join(LINK_FILE);
+    let advertise = advertise_url(&link_cfg.advertise, &node.host.cfg.grpc_addr);
     let mut saved = match Link::load(&path) {
         Ok(Some(l)) if l.node_id == node_id && l.master == master => Some(l.secret),
         Ok(_) => None,

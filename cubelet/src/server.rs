@@ -48,7 +48,7 @@ pub async fn serve(
         node: node.clone(),
     });
     let mut builder = tonic::transport::Server::builder();
-    if let Some(t) = &node.cfg.tls {
+    if let Some(t) = &node.host.cfg.tls {
         // Mutual TLS: only holders of a fleet certificate (the master) may call the node.
         builder = builder
             .tls_config(t.server().context("[tls]")?)
@@ -62,7 +62,7 @@ pub async fn serve(
             })
             .await
     });
-    tracing::info!(%grpc_addr, %http_addr, tls = node.cfg.tls.is_some(), "cubelet serving");
+    tracing::info!(%grpc_addr, %http_addr, tls = node.host.cfg.tls.is_some(), "cubelet serving");
     // Both listeners are bound: ready for systemd (Type=notify).
     if let Err(e) = cube_proto::systemd::notify_ready() {
         tracing::warn!(error = %e, "sd_notify READY failed");

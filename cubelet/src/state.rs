@@ -102,6 +102,20 @@ pub fn write<T: Serialize>(
 
 /// Reads and verifies a state file.
 pub fn read<T: DeserializeOwned>(path: &Path, magic: &str, version: u32) -> Result<T, StateError> {
+    let (_, body) = read_versions(path, magic, version..=version)?;
+    serde_json::from_str(&body).map_err(|e| StateError::Json {
+        path: path.display().to_string(),
+        source: e,
+    })
+}
+
+/// Reads and verifies a state file written in any of `versions`: its version and body, for
+/// the caller to migrate older ones.
+pub fn read_versions(
+    path: &Path,
+    magic: &str,
+    versions: std::ops::RangeInclusive<u32>,
+) -> Result<(u32, String), StateError> {
     let p = path.display().to_string();
     let text = std::fs::read(path).map_err(|e| StateError::Io {
         path: p.clone(),
@@ -118,17 +132,17 @@ pub fn read<T: DeserializeOwned>(path: &Path, magic: &str, version: u32) -> Resu
             expected: magic.into(),
         });
     }
-    if env.version != version {
+    if !versions.contains(&env.version) {
         return Err(StateError::Version {
             path: p,
             found: env.version,
-            expected: version,
+            expected: *versions.end(),
         });
     }
     if sha256_hex(env.body.get().as_bytes()) != env.sha256 {
         return Err(StateError::Checksum { path: p });
     }
-    serde_json::from_str(env.body.get()).map_err(|e| StateError::Json { path: p, source: e })
+    Ok((env.version, env.body.get().to_string()))
 }
 
 #[cfg(test)]

@@ -5,7 +5,9 @@
 //! sample of the same sandbox (or since it started), which is what E2B's `cpuUsedPct` means.
 
 use crate::cgroup::CgroupMode;
-use crate::node::{Node, NodeError, Phase, SandboxState};
+use crate::error::NodeError;
+use crate::runtime::host::Host;
+use crate::sandbox::{Phase, SandboxState};
 use cube_proto::nodev1 as pb;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -39,14 +41,14 @@ fn stat_field(p: &Path, key: &str) -> Option<u64> {
 }
 
 /// The sandbox's cgroup directories: (cpu, memory) — the same directory on v2.
-fn cgroup_dirs(node: &Node, key: &str) -> Option<(PathBuf, PathBuf)> {
-    let dirs: Vec<PathBuf> = node
+fn cgroup_dirs(host: &Host, key: &str) -> Option<(PathBuf, PathBuf)> {
+    let dirs: Vec<PathBuf> = host
         .cg
         .procs_files(key)
         .into_iter()
         .filter_map(|f| f.parent().map(Path::to_path_buf))
         .collect();
-    match node.cg.mode() {
+    match host.cg.mode() {
         CgroupMode::V2(_) => dirs.first().map(|d| (d.clone(), d.clone())),
         // v1 order is that of the controllers list: cpu, memory, pids, freezer.
         CgroupMode::V1(_) => Some((dirs.first()?.clone(), dirs.get(1)?.clone())),
@@ -80,8 +82,8 @@ fn proc_ticks(pid: i32) -> Option<u64> {
 }
 
 /// CPU time used by the sandbox so far, in µs.
-fn cpu_usage_us(node: &Node, st: &SandboxState, cpu_dir: &Path) -> u64 {
-    match node.cg.mode() {
+fn cpu_usage_us(host: &Host, st: &SandboxState, cpu_dir: &Path) -> u64 {
+    match host.cg.mode() {
         CgroupMode::V2(_) => {
             if let Some(u) = stat_field(&cpu_dir.join("cpu.stat"), "usage_usec") {
                 return u;
@@ -102,7 +104,7 @@ fn cpu_usage_us(node: &Node, st: &SandboxState, cpu_dir: &Path) -> u64 {
         }
     }
     // No accounting controller for this cgroup: add up its processes' times.
-    let ticks: u64 = node
+    let ticks: u64 = host
         .cg
         .pids(&st.key)
         .into_iter()
@@ -139,7 +141,7 @@ fn host_mem_bytes() -> u64 {
 }
 
 /// (vCPUs, % of them used since the previous sample of this sandbox or since its start, now).
-fn cpu_pct(st: &SandboxState, usage: u64) -> (u32, f64, u64) {
+pub(crate) fn cpu_pct(st: &SandboxState, usage: u64) -> (u32, f64, u64) {
     let now = now_ms();
     let cpu_count = st.shape.vcpus.max(1);
     let sample_key = format!("{}/{}", st.id, st.key);
@@ -165,44 +167,21 @@ fn cpu_pct(st: &SandboxState, usage: u64) -> (u32, f64, u64) {
 }
 
 /// (used, total) bytes of a disk image file: its allocated blocks and its size.
-fn image_usage(p: &Path) -> Option<(u64, u64)> {
+pub(crate) fn image_usage(p: &Path) -> Option<(u64, u64)> {
     use std::os::unix::fs::MetadataExt;
     let m = std::fs::metadata(p).ok()?;
     Some((m.blocks() * 512, m.len()))
 }
 
-/// A microVM sandbox: CPU and memory from its shim (the VMM process and the guest RAM it has
-/// touched), disk from its image file (the guest's filesystem is not visible from the host).
-#[cfg(feature = "microvm")]
-pub async fn sample_microvm(
-    node: &Node,
-    st: &SandboxState,
-) -> Result<pb::SandboxStatsResponse, NodeError> {
-    let (_, s) = node.microvm_stats(&st.id).await?;
-    let (cpu_count, cpu_used_pct, now) = cpu_pct(st, s.cpu_user_us + s.cpu_system_us);
-    let (disk_used, disk_total) =
-        image_usage(&node.sandboxes_dir().join(&st.id).join("disk.ext4")).unwrap_or((0, 0));
-    Ok(pb::SandboxStatsResponse {
-        cpu_count,
-        cpu_used_pct,
-        mem_used_bytes: s.guest_rss_kib * 1024,
-        mem_total_bytes: st.shape.memory_mib << 20,
-        mem_cache_bytes: 0,
-        disk_used_bytes: disk_used,
-        disk_total_bytes: disk_total,
-        timestamp_ms: now,
-    })
-}
-
 /// One sample of a namespace sandbox's resource use.
-pub fn sample(node: &Node, st: &SandboxState) -> Result<pb::SandboxStatsResponse, NodeError> {
-    let (cpu_dir, mem_dir) = cgroup_dirs(node, &st.key)
+pub fn sample(host: &Host, st: &SandboxState) -> Result<pb::SandboxStatsResponse, NodeError> {
+    let (cpu_dir, mem_dir) = cgroup_dirs(host, &st.key)
         .ok_or_else(|| NodeError::Internal(format!("sandbox {}: no cgroup directories", st.id)))?;
-    let usage = cpu_usage_us(node, st, &cpu_dir);
+    let usage = cpu_usage_us(host, st, &cpu_dir);
     let (cpu_count, cpu_used_pct, now) = cpu_pct(st, usage);
 
-    let usage_bytes = node.cg.memory_bytes(&st.key).unwrap_or(0);
-    let (cache, limit) = match node.cg.mode() {
+    let usage_bytes = host.cg.memory_bytes(&st.key).unwrap_or(0);
+    let (cache, limit) = match host.cg.mode() {
         CgroupMode::V2(_) => (
             stat_field(&mem_dir.join("memory.stat"), "file").unwrap_or(0),
             // "max" (no limit) does not parse: fall back below.
@@ -215,18 +194,18 @@ pub fn sample(node: &Node, st: &SandboxState) -> Result<pb::SandboxStatsResponse
             read_u64(&mem_dir.join("memory.limit_in_bytes")),
         ),
     };
-    let host = host_mem_bytes();
+    let host_mem = host_mem_bytes();
     let shape = st.shape.memory_mib << 20;
     // An unlimited cgroup reports a huge number: the sandbox's share is its shape, else the host.
     let mem_total = match limit {
-        Some(l) if host == 0 || l <= host => l,
+        Some(l) if host_mem == 0 || l <= host_mem => l,
         _ if shape > 0 => shape,
-        _ => host,
+        _ => host_mem,
     };
 
     // What the sandbox sees as `/` (its loop-mounted disk, in its own mount namespace); the
     // image file's size when its init is not there to look through.
-    let disk = node.sandboxes_dir().join(&st.id).join("disk.ext4");
+    let disk = host.paths_for(&st.id).disk();
     let (disk_used, disk_total) = (st.pid > 0)
         .then(|| fs_usage(Path::new(&format!("/proc/{}/root", st.pid))))
         .flatten()

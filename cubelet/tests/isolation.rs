@@ -428,3 +428,39 @@ async fn lost_switch_state_is_rebuilt_from_the_sandbox_record() {
     c.stop();
     c.assert_clean();
 }
+
+/// The device program (cgroup v2, here on the hybrid host's unified hierarchy) on its own:
+/// a process in a cgroup carrying it opens the allowed devices and nothing else, and cannot
+/// make other nodes, even as root with every capability (outside such a cgroup root opens
+/// `/dev/loop-control` and makes any node).
+#[test]
+fn the_device_program_allows_only_the_list() {
+    cube_testkit::require_priv!("cubelet::device_program");
+    let unified = ["/sys/fs/cgroup/unified", "/sys/fs/cgroup"]
+        .into_iter()
+        .map(std::path::Path::new)
+        .find(|p| p.join("cgroup.controllers").exists())
+        .expect("a cgroup v2 (unified) hierarchy");
+    let cg = unified.join(format!("cube-devtest-{}", std::process::id()));
+    let _ = std::fs::remove_dir(&cg);
+    std::fs::create_dir(&cg).unwrap();
+    cubelet::cgroup::devices::attach(&cg, &cubelet::cgroup::devices::rules()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let script = format!(
+        "echo $$ > {procs}; \
+         for d in /dev/null /dev/zero /dev/urandom; do ( : < $d ) 2>/dev/null && echo ok $d || echo refused $d; done; \
+         ( : < /dev/loop-control ) 2>/dev/null && echo ok loop-control || echo refused loop-control; \
+         mknod {t}/kvm c 10 232 2>/dev/null && echo ok mknod || echo refused mknod; \
+         mknod {t}/null c 1 3 2>/dev/null && echo ok mknod-null || echo refused mknod-null",
+        procs = cg.join("cgroup.procs").display(),
+        t = dir.path().display()
+    );
+    let out = Command::new("sh").args(["-c", &script]).output().unwrap();
+    let _ = std::fs::remove_dir(&cg);
+    let out = String::from_utf8_lossy(&out.stdout).to_string();
+    assert_eq!(
+        out,
+        "ok /dev/null\nok /dev/zero\nok /dev/urandom\nrefused loop-control\nrefused mknod\nok mknod-null\n",
+        "device program verdicts"
+    );
+}

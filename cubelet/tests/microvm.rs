@@ -321,7 +321,7 @@ fn shim(node: &Node, id: &str) -> Client {
 }
 
 /// The init payload the guest holds in its memory (read through the shim).
-fn guest_init(c: &mut Client) -> cubelet::microvm::InitPayload {
+fn guest_init(c: &mut Client) -> cubelet::runtime::microvm::shim::InitPayload {
     let words = 64u32;
     let v = match c
         .call(Op::Peek {
@@ -335,7 +335,7 @@ fn guest_init(c: &mut Client) -> cubelet::microvm::InitPayload {
         r => panic!("{r:?}"),
     };
     let bytes: Vec<u8> = v.iter().flat_map(|w| w.to_le_bytes()).collect();
-    cubelet::microvm::InitPayload::decode(&bytes).unwrap()
+    cubelet::runtime::microvm::shim::InitPayload::decode(&bytes).unwrap()
 }
 
 fn checkpoints(c: &mut Client) -> (ShimState, Vec<u32>, cube_shim::protocol::Stats) {

@@ -2,9 +2,11 @@
 template built from host binaries), started by that suite's own code, not a copy of it."""
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 
@@ -21,12 +23,35 @@ def cube():
     yield from e2e._stack("namespace")
 
 
-@pytest.fixture(scope="session")
-def probe(tmp_path_factory):
-    """escape_probe.c, compiled static (the template has no compiler and no libc to spare)."""
-    out = tmp_path_factory.mktemp("probe") / "escape_probe"
-    r = subprocess.run(["cc", "-static", "-O2", "-o", str(out), os.path.join(HERE, "escape_probe.c")],
+def detail(cube, sid):
+    """The API's sandbox detail (runtime, isolation, ...)."""
+    req = urllib.request.Request(f"{cube.api_url}/sandboxes/{sid}")
+    req.add_header("X-API-KEY", cube.api_key)
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def compile_probe(tmp_path_factory, name):
+    """A C probe of this directory, compiled static (the templates have no compiler and no
+    libc to spare); its bytes."""
+    out = tmp_path_factory.mktemp(name) / name
+    r = subprocess.run(["cc", "-static", "-O2", "-o", str(out), os.path.join(HERE, f"{name}.c")],
                        capture_output=True, text=True)
     if r.returncode != 0:
-        pytest.fail(f"compiling escape_probe.c: {r.stderr}")
+        pytest.fail(f"compiling {name}.c: {r.stderr}")
     return out.read_bytes()
+
+
+@pytest.fixture(scope="session")
+def probe(tmp_path_factory):
+    return compile_probe(tmp_path_factory, "escape_probe")
+
+
+@pytest.fixture(scope="session")
+def ping_probe(tmp_path_factory):
+    return compile_probe(tmp_path_factory, "ping_probe")
+
+
+@pytest.fixture(scope="session")
+def vsock_probe(tmp_path_factory):
+    return compile_probe(tmp_path_factory, "vsock_probe")

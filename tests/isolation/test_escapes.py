@@ -4,17 +4,15 @@ writing, never written; host memory and keys read; device nodes made and opened;
 mounts and the other ABIs' system call tables; kernel attack surface such as io_uring, bpf,
 perf and keyrings). Every attempt must be refused or get the process killed.
 
-Runtime: `namespace`, the one whose boundary is the host kernel. (On `microvm` these calls
-reach the guest's own kernel, which is the point of a VM.)
+Runtime: `namespace`, the one whose boundary is the host kernel. On `microvm` these calls reach
+the guest's own kernel, which is the point of a VM: `test_microvm_boundary.py` tries that
+runtime's boundary instead.
 """
-
-import json
-import urllib.request
 
 import pytest
 from e2b import Sandbox
 
-from conftest import TEMPLATE
+from conftest import TEMPLATE, detail
 
 SIGSYS = 31
 
@@ -58,13 +56,6 @@ EXPECT = {
 # SYS_BOOT 22, SYS_RESOURCE 24, SYS_TIME 25, MKNOD 27, MAC_ADMIN 33, SYSLOG 34, BPF 39,
 # PERFMON 38, CHECKPOINT_RESTORE 40.
 FORBIDDEN_CAPS = [2, 9, 12, 14, 16, 17, 19, 21, 22, 24, 25, 27, 33, 34, 38, 39, 40]
-
-
-def detail(cube, sid):
-    req = urllib.request.Request(f"{cube.api_url}/sandboxes/{sid}")
-    req.add_header("X-API-KEY", cube.api_key)
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return json.loads(r.read())
 
 
 def run_probe(cube, probe):
@@ -208,5 +199,20 @@ def test_root_in_a_sandbox_is_not_root_on_the_host(cube):
         sbx.commands.run(f"touch /home/user/{mark}-user", user="user")
         st = os.stat(f"/proc/{pids[0]}/root/home/user/{mark}-user")
         assert st.st_uid == outside + 1000, st.st_uid
+    finally:
+        sbx.kill()
+
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("user", ["root", "user"])
+def test_ping_works_inside_a_sandbox(cube, ping_probe, user):
+    """ICMP echo as ping sends it without a raw socket, for root and for an ordinary user."""
+    sbx = Sandbox.create(TEMPLATE, timeout=120)
+    try:
+        sbx.files.write("/tmp/ping_probe", ping_probe)
+        sbx.commands.run("chmod 755 /tmp/ping_probe", user="root")
+        r = sbx.commands.run("/tmp/ping_probe 127.0.0.1", user=user, timeout=30)
+        assert r.stdout.strip() == "reply 0 127.0.0.1 True", (r.stdout, r.stderr)
     finally:
         sbx.kill()

@@ -278,7 +278,7 @@ nft_table = "{nft_table}"
     /// sandbox directories, pool disks.
     pub fn leftovers(&self) -> Vec<String> {
         let mut v = Vec::new();
-        for h in ["", "cpu", "memory", "pids", "freezer"] {
+        for h in ["", "cpu", "memory", "pids", "freezer", "devices", "unified"] {
             let d = Path::new("/sys/fs/cgroup")
                 .join(h)
                 .join(&self.cgroup_parent);
@@ -306,7 +306,7 @@ nft_table = "{nft_table}"
             }
         }
         let xfs = self.root.join("xfs.img");
-        for l in cubelet::runtime::loops_backed_under(&self.root) {
+        for l in cubelet::runtime::namespace::loops_backed_under(&self.root) {
             let b = std::fs::read_to_string(format!("/sys/block/{l}/loop/backing_file"))
                 .unwrap_or_default();
             if b.trim() != xfs.to_str().unwrap() {
@@ -427,7 +427,7 @@ impl Drop for Cubelet {
     fn drop(&mut self) {
         self.stop();
         // Belt and braces for a failed test: kill whatever is left in our cgroups.
-        for h in ["", "cpu", "memory", "pids", "freezer"] {
+        for h in ["", "cpu", "memory", "pids", "freezer", "devices", "unified"] {
             let d = Path::new("/sys/fs/cgroup")
                 .join(h)
                 .join(&self.cgroup_parent);
@@ -444,6 +444,7 @@ impl Drop for Cubelet {
                         }
                     }
                     std::thread::sleep(Duration::from_millis(50));
+                    let _ = std::fs::remove_dir(e.path().join("sandbox"));
                     let _ = std::fs::remove_dir(e.path());
                 }
                 let _ = std::fs::remove_dir(&d);

@@ -2,6 +2,9 @@
 //! host has it with those controllers, else the v1 hierarchies (`cpu`, `memory`, `pids`,
 //! `freezer`) as on hosts booted in hybrid mode. Both give the same operations.
 
+pub mod devices;
+
+pub use devices::DEVICE_ALLOW;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -18,6 +21,8 @@ pub enum CgroupError {
     Unsupported(String),
     #[error("cgroup {0} did not {1} within {2:?}")]
     Timeout(String, &'static str, Duration),
+    #[error("device filter: {0}")]
+    Devices(String),
 }
 
 fn io(op: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> CgroupError {
@@ -50,19 +55,6 @@ pub struct Cgroups {
 }
 
 const V1_CONTROLLERS: [&str; 4] = ["cpu", "memory", "pids", "freezer"];
-
-/// The devices a sandbox may open (v1 `devices.allow` lines): null, zero, full, random,
-/// urandom, tty, ptmx and the pty slaves; nothing else, whatever nodes it finds or makes.
-pub const DEVICE_ALLOW: &[&str] = &[
-    "c 1:3 rwm",
-    "c 1:5 rwm",
-    "c 1:7 rwm",
-    "c 1:8 rwm",
-    "c 1:9 rwm",
-    "c 5:0 rwm",
-    "c 5:2 rwm",
-    "c 136:* rwm",
-];
 
 fn write(path: &Path, v: &str) -> Result<(), CgroupError> {
     std::fs::write(path, v).map_err(io("write", path))
@@ -123,6 +115,7 @@ impl Cgroups {
                 .iter()
                 .map(|c| r.join(c).join(&self.parent).join(key))
                 .chain(self.devices_dir(key))
+                .chain(self.unified_dir(key))
                 .collect(),
         }
     }
@@ -137,27 +130,54 @@ impl Cgroups {
         }
     }
 
-    /// Limits the sandbox's cgroup to [`DEVICE_ALLOW`] and returns the `cgroup.procs` file its
-    /// init joins once it has mounted its disk (the loop device is not on the list). `None`
-    /// where the host has no v1 devices hierarchy (on v2 the limit would be a BPF program;
-    /// there the dropped CAP_MKNOD and `nodev` mounts are what keeps devices out).
-    pub fn restrict_devices(&self, key: &str) -> Result<Option<PathBuf>, CgroupError> {
-        let Some(d) = self.devices_dir(key) else {
-            return Ok(None);
+    /// The sandbox's cgroup on the unified hierarchy: its only cgroup on v2; on hybrid hosts
+    /// one more, next to the v1 ones, to carry the device program.
+    fn unified_dir(&self, key: &str) -> Option<PathBuf> {
+        match &self.mode {
+            CgroupMode::V2(r) => Some(r.join(&self.parent).join(key)),
+            CgroupMode::V1(r) if r.join("unified").join("cgroup.controllers").exists() => {
+                Some(r.join("unified").join(&self.parent).join(key))
+            }
+            CgroupMode::V1(_) => None,
+        }
+    }
+
+    /// The child of [`Cgroups::unified_dir`] with the device program: the init moves into it
+    /// once its disk is mounted (inside its cgroup namespace, whose root is the parent);
+    /// limits and freezing of the parent cover it.
+    fn unified_devices_dir(&self, key: &str) -> Option<PathBuf> {
+        self.unified_dir(key).map(|d| d.join("sandbox"))
+    }
+
+    /// Limits the sandbox to [`DEVICE_ALLOW`] (v1 `devices` controller and a v2 device
+    /// program, each where the host has it) and returns the `cgroup.procs` files its init
+    /// joins once it has mounted its disk (the loop device is not on the list).
+    pub fn restrict_devices(&self, key: &str) -> Result<Vec<PathBuf>, CgroupError> {
+        let mut join = Vec::new();
+        let mkdir = |d: &Path| -> Result<(), CgroupError> {
+            if let Some(parent) = d.parent() {
+                std::fs::create_dir_all(parent).map_err(io("mkdir", parent))?;
+            }
+            match std::fs::create_dir(d) {
+                Ok(()) => Ok(()),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+                Err(e) => Err(io("mkdir", d)(e)),
+            }
         };
-        if let Some(parent) = d.parent() {
-            std::fs::create_dir_all(parent).map_err(io("mkdir", parent))?;
+        if let Some(d) = self.devices_dir(key) {
+            mkdir(&d)?;
+            write(&d.join("devices.deny"), "a")?;
+            for rule in DEVICE_ALLOW {
+                write(&d.join("devices.allow"), rule)?;
+            }
+            join.push(d.join("cgroup.procs"));
         }
-        match std::fs::create_dir(&d) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-            Err(e) => return Err(io("mkdir", &d)(e)),
+        if let Some(d) = self.unified_devices_dir(key) {
+            mkdir(&d)?;
+            devices::attach(&d, &devices::rules()).map_err(CgroupError::Devices)?;
+            join.push(d.join("cgroup.procs"));
         }
-        write(&d.join("devices.deny"), "a")?;
-        for rule in DEVICE_ALLOW {
-            write(&d.join("devices.allow"), rule)?;
-        }
-        Ok(Some(d.join("cgroup.procs")))
+        Ok(join)
     }
 
     /// The `cgroup.procs` files a process must join (one per hierarchy; the devices cgroup,
@@ -180,6 +200,10 @@ impl Cgroups {
             .into_iter()
             .filter(|d| Some(d) != devices.as_ref())
         {
+            if let (Some(p), true) = (d.parent(), Some(&d) == self.unified_dir(key).as_ref()) {
+                // The parent exists on the v1 hierarchies (detect); maybe not yet on unified.
+                std::fs::create_dir_all(p).map_err(io("mkdir", p))?;
+            }
             match std::fs::create_dir(&d) {
                 Ok(()) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
@@ -218,18 +242,29 @@ impl Cgroups {
 
     /// Pids in the sandbox's cgroup.
     pub fn pids(&self, key: &str) -> Vec<i32> {
-        let f = match &self.mode {
-            CgroupMode::V2(r) => r.join(&self.parent).join(key).join("cgroup.procs"),
-            CgroupMode::V1(r) => r
+        let files = match &self.mode {
+            CgroupMode::V2(r) => {
+                let d = r.join(&self.parent).join(key);
+                vec![
+                    d.join("cgroup.procs"),
+                    d.join("sandbox").join("cgroup.procs"),
+                ]
+            }
+            CgroupMode::V1(r) => vec![r
                 .join("pids")
                 .join(&self.parent)
                 .join(key)
-                .join("cgroup.procs"),
+                .join("cgroup.procs")],
         };
-        std::fs::read_to_string(f)
-            .unwrap_or_default()
-            .lines()
-            .filter_map(|l| l.trim().parse().ok())
+        files
+            .iter()
+            .flat_map(|f| {
+                std::fs::read_to_string(f)
+                    .unwrap_or_default()
+                    .lines()
+                    .filter_map(|l| l.trim().parse().ok())
+                    .collect::<Vec<i32>>()
+            })
             .collect()
     }
 
@@ -314,7 +349,12 @@ impl Cgroups {
     /// Kills every process in the cgroup (thawing first, since frozen tasks do not die on v1),
     /// waits until it is empty, and removes the cgroup(s). Idempotent.
     pub fn destroy(&self, key: &str) -> Result<(), CgroupError> {
-        let dirs = self.dirs(key);
+        // The device cgroup first: on v2 it is a child of the sandbox's.
+        let dirs: Vec<PathBuf> = self
+            .unified_devices_dir(key)
+            .into_iter()
+            .chain(self.dirs(key))
+            .collect();
         if !dirs.iter().any(|d| d.exists()) {
             return Ok(());
         }
@@ -374,7 +414,7 @@ impl Cgroups {
             .unwrap_or_default();
         if let CgroupMode::V1(r) = &self.mode {
             // A crash between the mkdirs can leave a key in some hierarchies only.
-            for c in V1_CONTROLLERS {
+            for c in V1_CONTROLLERS.iter().chain(&["devices", "unified"]) {
                 if let Ok(rd) = std::fs::read_dir(r.join(c).join(&self.parent)) {
                     for e in rd.flatten() {
                         if let Ok(n) = e.file_name().into_string() {

@@ -25,7 +25,7 @@ pub struct InitSpec {
     /// The devices cgroup (an allow-list), joined by the sandbox's init once its disk is
     /// mounted.
     #[serde(default)]
-    pub devices_procs: Option<PathBuf>,
+    pub devices_procs: Vec<PathBuf>,
     pub hostname: String,
     pub agent_path: String,
     /// The node's agent binary. When set it is bind-mounted read-only at `agent_path` on the
@@ -199,7 +199,7 @@ fn launch(spec: &InitSpec) -> Result<i32, String> {
         return Err(err("unshare"));
     }
     let filter = if spec.seccomp {
-        Some(crate::seccomp::compile()?)
+        Some(super::seccomp::compile()?)
     } else {
         None
     };
@@ -637,7 +637,7 @@ fn child(
     )?;
     mask_paths(root)?;
     // Devices beyond the allow-list are closed from here on (the loop device is mounted).
-    if let Some(f) = &spec.devices_procs {
+    for f in &spec.devices_procs {
         std::fs::write(f, std::process::id().to_string())
             .map_err(|e| format!("join devices cgroup {}: {e}", f.display()))?;
     }
@@ -688,7 +688,7 @@ fn child(
     }
     drop_caps(&spec.keep_caps)?;
     match filter {
-        Some(f) => crate::seccomp::install(f).map_err(|e| format!("seccomp: {e}"))?,
+        Some(f) => super::seccomp::install(f).map_err(|e| format!("seccomp: {e}"))?,
         // Without seccomp (a test setting) no_new_privs still holds.
         // SAFETY: prctl with integer arguments.
         None if unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } != 0 => {

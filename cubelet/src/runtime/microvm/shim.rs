@@ -1,11 +1,10 @@
-//! The `microvm` runtime: one cube-shim process per sandbox hosting a KVM microVM restored from
-//! the template's memory snapshot, and the choice between it and `namespace` (`runtime = auto`).
+//! The cube-shim side of the `microvm` runtime: one cube-shim process per sandbox hosting a KVM
+//! microVM restored from the template's memory snapshot.
 //!
-//! Pieces (the node wires them into its operations, see `node.rs`):
-//! * [`select`]: which runtime this host runs, and why.
+//! Pieces (the runtime, `mod.rs`, wires them into its operations):
 //! * [`ShimSpawner`]: starts shims (jailed: own cgroup with the shape's limits, mount namespace,
 //!   seccomp, no new privileges) and waits for their control socket.
-//! * [`crate::shim_pool::ShimPool`]: shims spawned ahead of time, VM shell created and the
+//! * [`super::shim_pool::ShimPool`]: shims spawned ahead of time, VM shell created and the
 //!   template's memory already mapped, so a create only loads state.
 //! * [`InitResponder`]: the host end of the guest's init channel. The guest (today the shim's
 //!   `agent_standin` test guest; cube-agent on hosts with hardware KVM) connects over vsock to
@@ -23,13 +22,10 @@ use std::time::{Duration, Instant};
 
 use cube_shim::protocol::Reply;
 use cube_shim::{Client, Op};
-use serde::{Deserialize, Serialize};
 
-use crate::config::MicroVmConfig;
+pub use crate::runtime::select::{Guest, STANDIN_GUEST};
+pub use crate::sandbox::InitBody;
 
-pub const RUNTIME_NAME: &str = "microvm";
-/// `microvm.guest` value selecting the shim's agent stand-in test guest.
-pub const STANDIN_GUEST: &str = "agent-standin";
 /// Kernel arguments of a Linux template (the shim appends devices, the init channel and, on
 /// PVM hosts, its workarounds). cube-agent is the template's init.
 pub const LINUX_CMDLINE: &str =
@@ -40,18 +36,6 @@ pub const SNAPSHOT_DISK: &str = "disk.img";
 /// How long a Linux template build may take to boot to cube-agent's first init request (on PVM
 /// hosts guest kernel mode is emulated: about 25 s).
 const LINUX_BUILD_TIMEOUT_MS: u64 = 300_000;
-/// The boot parameter of the guest kernel's PVM patch (deploy/guest-kernel/patches/).
-const PVM_PATCH_MARKER: &[u8] = b"cube_pvm";
-
-/// Whether a kernel image carries the `cube_pvm` patch (its parameter name is in the image).
-pub fn kernel_has_pvm_patch(kernel: &Path) -> bool {
-    let Ok(b) = std::fs::read(kernel) else {
-        return false;
-    };
-    b.windows(PVM_PATCH_MARKER.len() + 1)
-        .any(|w| &w[..PVM_PATCH_MARKER.len()] == PVM_PATCH_MARKER && w[PVM_PATCH_MARKER.len()] == 0)
-}
-
 #[derive(Debug, thiserror::Error)]
 pub enum MicroVmError {
     #[error("{0}")]
@@ -66,132 +50,6 @@ pub enum MicroVmError {
     Init(String),
     #[error("{0}")]
     Io(#[from] std::io::Error),
-}
-
-/// The runtime a node runs and why.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Selection {
-    pub runtime: &'static str,
-    pub kvm_kind: String,
-    pub reason: String,
-}
-
-/// The guest configured for microVMs.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Guest {
-    Standin,
-    Linux(PathBuf),
-}
-
-impl Guest {
-    pub fn from_config(s: &str) -> Guest {
-        if s == STANDIN_GUEST {
-            Guest::Standin
-        } else {
-            Guest::Linux(PathBuf::from(s))
-        }
-    }
-}
-
-/// Whether `/dev/kvm` of kind `kvm_kind` ("none", "pvm", "hardware") can run `guest`, and if
-/// not, why.
-pub fn can_run(kvm_kind: &str, guest: &Guest, shim: &Path) -> Result<(), String> {
-    if kvm_kind == "none" {
-        return Err("no /dev/kvm".into());
-    }
-    if !shim.exists() {
-        return Err(format!("cube-shim binary {} not found", shim.display()));
-    }
-    match guest {
-        Guest::Standin => Ok(()),
-        Guest::Linux(k) => {
-            if !k.exists() {
-                return Err(format!("guest kernel {} not found", k.display()));
-            }
-            // PVM emulates guest kernel mode; a stock kernel stops before user space there.
-            if kvm_kind == "pvm" && !kernel_has_pvm_patch(k) {
-                return Err(format!(
-                    "/dev/kvm is PVM (no VMX/SVM) and guest kernel {} lacks the cube_pvm patch (build it with deploy/guest-kernel/build.sh)",
-                    k.display()
-                ));
-            }
-            Ok(())
-        }
-    }
-}
-
-/// Decides the runtime for `configured` ("namespace", "microvm", "auto").
-pub fn select(configured: &str, kvm_kind: &str, cfg: &MicroVmConfig) -> Result<Selection, String> {
-    let guest = Guest::from_config(&cfg.guest);
-    let ok = can_run(kvm_kind, &guest, &cfg.shim_binary);
-    let sel = |runtime, reason: String| Selection {
-        runtime,
-        kvm_kind: kvm_kind.to_string(),
-        reason,
-    };
-    match configured {
-        "namespace" => Ok(sel(
-            crate::runtime::RUNTIME_NAME,
-            "configured runtime = \"namespace\"".into(),
-        )),
-        "microvm" => match ok {
-            Ok(()) => Ok(sel(
-                RUNTIME_NAME,
-                format!("configured runtime = \"microvm\", guest {:?}", cfg.guest),
-            )),
-            Err(why) => Err(format!(
-                "runtime \"microvm\" cannot run guest {:?} here: {why}",
-                cfg.guest
-            )),
-        },
-        // PVM emulates guest kernel mode: a Linux microVM works there (with the cube_pvm kernel)
-        // but every system call is emulated, about 1 s per `commands.run`. `auto` keeps such
-        // hosts on namespaces; `runtime = "microvm"` still selects it.
-        "auto" if ok.is_ok() && kvm_kind == "pvm" && matches!(guest, Guest::Linux(_)) => Ok(sel(
-            crate::runtime::RUNTIME_NAME,
-            "auto: /dev/kvm is PVM, which emulates a Linux guest's kernel mode (slow); using namespace (set runtime = \"microvm\" to use it anyway)".into(),
-        )),
-        "auto" => Ok(match ok {
-            Ok(()) => sel(
-                RUNTIME_NAME,
-                format!("auto: /dev/kvm ({kvm_kind}) can run guest {:?}", cfg.guest),
-            ),
-            Err(why) => sel(
-                crate::runtime::RUNTIME_NAME,
-                format!("auto: microvm unavailable ({why}); using namespace"),
-            ),
-        }),
-        other => Err(format!(
-            "unknown runtime {other:?} (use \"namespace\", \"microvm\" or \"auto\")"
-        )),
-    }
-}
-
-/// Per-sandbox microVM state (persisted inside the sandbox's state file).
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
-pub struct MicroVmState {
-    /// The shim's control socket.
-    pub socket: PathBuf,
-    /// The shim's jail root (removed with the sandbox).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub jail_root: Option<PathBuf>,
-    /// The template snapshot it was restored from.
-    pub snapshot: PathBuf,
-    pub tap: Option<String>,
-    /// The host socket of the guest's vsock device (`<vsock>_<port>` for guest connections).
-    pub vsock: PathBuf,
-    /// Set while paused to disk: the directory holding the state (guest memory released).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub paused_dir: Option<PathBuf>,
-    /// Init payloads the guest acknowledged (one per restore / resume).
-    #[serde(default)]
-    pub inits: u32,
-    /// What every init carries (env vars, token, user); clock and entropy are fresh each time.
-    #[serde(default)]
-    pub init: InitBody,
-    /// Why the sandbox failed (shim gone), when it did.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub failure: Option<String>,
 }
 
 /// A started shim.
@@ -306,7 +164,7 @@ impl ShimSpawner {
             }
             std::thread::sleep(Duration::from_micros(500));
         }
-        let pid_start = crate::runtime::proc_start_time(pid)
+        let pid_start = crate::runtime::process::proc_start_time(pid)
             .ok_or_else(|| MicroVmError::Spawn(format!("shim pid {pid} vanished")))?;
         Ok(SpawnedShim {
             key: key.to_string(),
@@ -441,15 +299,6 @@ pub fn build_snapshot(
         std::fs::rename(&staging, out)?;
     }
     Ok(())
-}
-
-/// What the guest gets after every restore / resume.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
-pub struct InitBody {
-    pub env_vars: std::collections::BTreeMap<String, String>,
-    pub access_token: Option<String>,
-    pub default_user: String,
-    pub default_workdir: String,
 }
 
 /// Binary init message: `"CUBI"`, version 1 (u32 LE), unix time in ns (u64 LE), 32 bytes of
@@ -646,69 +495,6 @@ fn serve_init(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn cfg(guest: &str, shim: &Path) -> MicroVmConfig {
-        MicroVmConfig {
-            guest: guest.into(),
-            shim_binary: shim.to_path_buf(),
-            ..MicroVmConfig::default()
-        }
-    }
-
-    #[test]
-    fn auto_picks_microvm_only_where_the_guest_can_run() {
-        let d = tempfile::tempdir().unwrap();
-        let shim = d.path().join("cube-shim");
-        std::fs::write(&shim, b"").unwrap();
-        let kernel = d.path().join("vmlinux");
-        std::fs::write(&kernel, b"").unwrap();
-        let k = kernel.to_str().unwrap();
-        // PVM cannot boot a stock Linux: auto falls back, explicit microvm is refused.
-        let s = select("auto", "pvm", &cfg(k, &shim)).unwrap();
-        assert_eq!(s.runtime, "namespace");
-        assert!(s.reason.contains("cube_pvm patch"), "{}", s.reason);
-        assert!(select("microvm", "pvm", &cfg(k, &shim)).is_err());
-        // The stand-in runs on any KVM.
-        let s = select("auto", "pvm", &cfg(STANDIN_GUEST, &shim)).unwrap();
-        assert_eq!(s.runtime, "microvm");
-        assert_eq!(s.kvm_kind, "pvm");
-        assert_eq!(
-            select("microvm", "pvm", &cfg(STANDIN_GUEST, &shim))
-                .unwrap()
-                .runtime,
-            "microvm"
-        );
-        // No KVM, or no shim: namespace.
-        assert_eq!(
-            select("auto", "none", &cfg(STANDIN_GUEST, &shim))
-                .unwrap()
-                .runtime,
-            "namespace"
-        );
-        let missing = d.path().join("nope");
-        let s = select("auto", "pvm", &cfg(STANDIN_GUEST, &missing)).unwrap();
-        assert_eq!(s.runtime, "namespace");
-        assert!(s.reason.contains("not found"));
-        // Hardware KVM with a kernel: microvm.
-        let s = select("auto", "hardware", &cfg(k, &shim)).unwrap();
-        assert_eq!(s.runtime, "microvm");
-        // PVM with a kernel that carries the cube_pvm patch: microvm when asked for, but
-        // auto stays on namespaces (guest kernel mode is emulated there).
-        std::fs::write(&kernel, b"\x7fELF...cube_pvm\0...").unwrap();
-        assert!(kernel_has_pvm_patch(&kernel));
-        let s = select("microvm", "pvm", &cfg(k, &shim)).unwrap();
-        assert_eq!(s.runtime, "microvm");
-        let s = select("auto", "pvm", &cfg(k, &shim)).unwrap();
-        assert_eq!(s.runtime, "namespace");
-        assert!(s.reason.contains("emulates"), "{}", s.reason);
-        assert_eq!(
-            select("namespace", "hardware", &cfg(k, &shim))
-                .unwrap()
-                .runtime,
-            "namespace"
-        );
-        assert!(select("vm", "hardware", &cfg(k, &shim)).is_err());
-    }
 
     #[test]
     fn init_payload_round_trips_and_is_fresh() {

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use crate::microvm::SpawnedShim;
+use super::shim::SpawnedShim;
 
 /// What a pooled shim fits: the snapshot it is prepared for and its shape.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]

@@ -1,5 +1,11 @@
-//! The node's operations on the `microvm` runtime (see [`crate::microvm`]): create from a warm
-//! shim, pause to disk / resume, snapshot into a template, death detection, re-adoption.
+//! The `microvm` runtime: one cube-shim process per sandbox hosting a KVM microVM restored
+//! from the template's memory snapshot (`shim.rs`): create from a warm shim (`shim_pool.rs`)
+//! with a pooled tap (`tap_pool.rs`), pause to disk / resume, snapshot into a template (memory
+//! included: creating from it forks the sandbox), death detection, re-adoption.
+
+pub mod shim;
+pub mod shim_pool;
+pub mod tap_pool;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -9,21 +15,24 @@ use std::time::{Duration, Instant};
 use cube_shim::protocol::{Reply, SandboxState as ShimState};
 use cube_shim::Op;
 
-use super::{new_key, CreateRequest, Node, NodeError, Phase, SandboxState};
-use crate::config::Config;
-use crate::microvm::{
-    self, Guest, InitBody, InitResponder, MicroVmError, MicroVmState, ShimSpawner, SpawnedShim,
-};
-use crate::shim_pool::{Backoff, PoolKey, ShimPool};
-use crate::tap_pool::TapPool;
+use super::host::{clone_disk, new_key, Host, PoolLevel};
+use super::{CreateSpec, Created, Runtime, SnapshotKind};
+use crate::error::NodeError;
+use crate::sandbox::{MicroVmState, Phase, RuntimeState, SandboxState, MICROVM};
+use shim::{Guest, InitResponder, MicroVmError, ShimSpawner, SpawnedShim};
+use shim_pool::{Backoff, PoolKey, ShimPool};
+use tap_pool::TapPool;
+
+/// The shim module under the name the code below uses.
+use shim as microvm;
 
 /// How long one shim control call may take (pause-to-disk of a large guest is the slowest).
 const SHIM_CALL: Duration = Duration::from_secs(60);
 /// How long a fresh shim may take to answer.
 const SHIM_START: Duration = Duration::from_secs(10);
 
-/// The runtime's parts held by the node.
-pub(crate) struct Parts {
+pub struct Microvm {
+    host: Arc<Host>,
     spawner: ShimSpawner,
     guest: Guest,
     pool: ShimPool,
@@ -38,9 +47,10 @@ pub(crate) struct Parts {
     backoff: Backoff,
 }
 
-impl Parts {
-    pub(crate) fn new(cfg: &Config) -> anyhow::Result<Parts> {
+impl Microvm {
+    pub fn new(host: Arc<Host>) -> anyhow::Result<Microvm> {
         use anyhow::Context;
+        let cfg = &host.cfg;
         let shims_dir = cfg.run_dir.join("shims");
         let roots_dir = cfg.run_dir.join("shim-roots");
         for d in [&shims_dir, &roots_dir, &cfg.data_dir] {
@@ -57,15 +67,18 @@ impl Parts {
             cgroup_parent: cfg.cgroup.parent.clone(),
             mem_overhead_mib: cfg.microvm.mem_overhead_mib,
         };
-        Ok(Parts {
+        let guest = Guest::from_config(&cfg.microvm.guest);
+        let taps = TapPool::new(&cfg.run_dir.join("taps")).context("tap markers")?;
+        Ok(Microvm {
             spawner,
-            guest: Guest::from_config(&cfg.microvm.guest),
+            guest,
             pool: ShimPool::default(),
-            taps: TapPool::new(&cfg.run_dir.join("taps")).context("tap markers")?,
+            taps,
             children: Mutex::new(HashMap::new()),
             responders: Mutex::new(HashMap::new()),
             build_lock: tokio::sync::Mutex::new(()),
             backoff: Backoff::default(),
+            host,
         })
     }
 }
@@ -88,13 +101,7 @@ async fn blocking<T: Send + 'static>(
         .map_err(|e| MicroVmError::Init(format!("task: {e}")))?
 }
 
-impl Node {
-    fn parts(&self) -> Result<&Parts, NodeError> {
-        self.mvm
-            .as_ref()
-            .ok_or_else(|| NodeError::Internal("the microvm runtime is not active".into()))
-    }
-
+impl Microvm {
     /// The template snapshot for a build and shape, built on first use.
     async fn ensure_snapshot(
         &self,
@@ -102,7 +109,7 @@ impl Node {
         vcpus: u32,
         mem_mib: u64,
     ) -> Result<PathBuf, NodeError> {
-        let p = self.parts()?;
+        let p = self;
         let build_dir = rootfs
             .parent()
             .ok_or_else(|| NodeError::Internal("template rootfs has no directory".into()))?;
@@ -119,7 +126,7 @@ impl Node {
             p.guest.clone(),
             dir.clone(),
             rootfs.to_path_buf(),
-            self.identity.guest_mac,
+            self.host.identity.guest_mac,
         );
         let t0 = Instant::now();
         blocking(move || {
@@ -138,14 +145,14 @@ impl Node {
         mem_mib: u64,
         template: Option<PathBuf>,
     ) -> Result<SpawnedShim, NodeError> {
-        let p = self.parts()?;
+        let p = self;
         let key = new_key();
         let (cg, limits, k) = (
-            self.cg.clone(),
+            self.host.cg.clone(),
             crate::cgroup::Limits {
                 vcpus,
-                memory_mib: mem_mib + self.cfg.microvm.mem_overhead_mib,
-                pids: self.launch.pids_max,
+                memory_mib: mem_mib + self.host.cfg.microvm.mem_overhead_mib,
+                pids: self.host.cfg.sandbox.pids_max,
             },
             key.clone(),
         );
@@ -170,26 +177,28 @@ impl Node {
     fn discard_shim(&self, mut s: SpawnedShim) {
         let _ = s.child.kill();
         let _ = s.child.wait();
-        if let Err(e) = self.cg.destroy(&s.key) {
+        if let Err(e) = self.host.cg.destroy(&s.key) {
             tracing::warn!(key = %s.key, error = %e, "shim cgroup");
         }
-        if let Ok(p) = self.parts() {
+        {
+            let p = self;
             p.spawner.cleanup(&s.key);
         }
     }
 
-    pub(super) async fn create_microvm(
-        self: &Arc<Self>,
-        req: &CreateRequest,
+    async fn create_microvm(
+        &self,
+        spec: &CreateSpec,
         st: &mut SandboxState,
-        rootfs: &Path,
-        t0: Instant,
-    ) -> Result<(), NodeError> {
-        let p = self.parts()?;
-        let paths = self.paths_for(&req.id);
+    ) -> Result<Created, NodeError> {
+        let p = self;
+        let t0 = Instant::now();
+        let id = st.id.clone();
+        let rootfs = spec.rootfs.as_path();
+        let paths = self.host.paths_for(&id);
         std::fs::create_dir(&paths.dir)
             .map_err(|e| NodeError::Internal(format!("creating {}: {e}", paths.dir.display())))?;
-        self.save(&req.id, st)?;
+        self.host.save(&id, st)?;
         let (vcpus, mem) = (st.shape.vcpus, st.shape.memory_mib);
         let snap = self.ensure_snapshot(rootfs, vcpus, mem).await?;
         let key = PoolKey {
@@ -207,7 +216,7 @@ impl Node {
             let from_pool = pooled.is_some();
             let r = match pooled {
                 Some(s) => {
-                    self.pools.wake.notify_one();
+                    self.host.wake.notify_one();
                     Ok(s)
                 }
                 None => self.spawn_shim(vcpus, mem, Some(snap.clone())).await,
@@ -222,16 +231,17 @@ impl Node {
                 // A Linux template's snapshot was taken with its own disk: clone that one (not
                 // a pooled clone of the template's image, and never grown: the restored guest
                 // has it mounted at this size).
-                super::clone_disk(&snap_disk, &paths.disk()).await
+                clone_disk(&snap_disk, &paths.disk()).await
             } else {
-                self.prepare_disk(
-                    &st.template,
-                    &st.build,
-                    rootfs,
-                    &paths.disk(),
-                    st.shape.disk_mib,
-                )
-                .await
+                self.host
+                    .prepare_disk(
+                        &st.template,
+                        &st.build,
+                        rootfs,
+                        &paths.disk(),
+                        st.shape.disk_mib,
+                    )
+                    .await
             };
             (r, t.elapsed())
         };
@@ -241,11 +251,11 @@ impl Node {
             let r = match p.taps.take() {
                 // A Linux guest talks over its virtio-net: its tap joins the switch like a
                 // veth's host end and gets the sandbox's host address.
-                Ok(tap) if linux => match self.net.tap_endpoint(&tap).await {
-                    Ok(ep) => match self.net.hook().apply_policy(&ep, &policy) {
+                Ok(tap) if linux => match self.host.net.tap_endpoint(&tap).await {
+                    Ok(ep) => match self.host.net.hook().apply_policy(&ep, &policy) {
                         Ok(addr) => Ok((tap, Some((ep, addr)))),
                         Err(e) => {
-                            self.net.destroy(&ep).await;
+                            self.host.net.destroy(&ep).await;
                             p.taps.delete(&tap);
                             Err(format!("network policy: {e}"))
                         }
@@ -262,20 +272,11 @@ impl Node {
         };
         let ((shim_r, from_pool, shim_t), (disk_r, disk_t), (tap_r, tap_t)) =
             tokio::join!(shim, disk, tap);
-        self.phase("shim", shim_t);
-        self.phase("disk", disk_t);
-        self.phase("tap", tap_t);
+        self.host.phase("shim", shim_t);
+        self.host.phase("disk", disk_t);
+        self.host.phase("tap", tap_t);
         let vsock = paths.dir.join("v.sock");
-        let body = InitBody {
-            env_vars: req.env_vars.clone(),
-            access_token: Some(req.access_token.clone()).filter(|t| !t.is_empty()),
-            default_user: if req.default_user.is_empty() {
-                "user".into()
-            } else {
-                req.default_user.clone()
-            },
-            default_workdir: req.default_workdir.clone(),
-        };
+        let body = spec.init.clone();
         let mut mv = MicroVmState {
             socket: PathBuf::new(),
             jail_root: None,
@@ -293,8 +294,7 @@ impl Node {
             mv.socket = s.socket.clone();
             mv.jail_root = s.jail_root.clone();
         }
-        st.microvm = Some(mv);
-        st.from_pool = from_pool;
+        st.runtime = RuntimeState::Microvm(Box::new(mv));
         if let Ok((_, Some((ep, addr)))) = &tap_r {
             st.endpoint = Some(ep.clone());
             st.host_addr = *addr;
@@ -302,14 +302,14 @@ impl Node {
         let shim = match shim_r {
             Ok(s) => s,
             Err(e) => {
-                let _ = self.save(&req.id, st);
+                let _ = self.host.save(&id, st);
                 return Err(e);
             }
         };
         if let Ok(mut c) = p.children.lock() {
             c.insert(shim.key.clone(), shim.child);
         }
-        self.save(&req.id, st)?;
+        self.host.save(&id, st)?;
         disk_r?;
         let (tap, _) = tap_r.map_err(|e| NodeError::Internal(format!("tap: {e}")))?;
         let _ = std::os::unix::fs::symlink(&shim.socket, paths.dir.join("shim.sock"));
@@ -330,13 +330,9 @@ impl Node {
         })
         .await
         .map_err(mvm_err("restore"))?;
-        self.phase("restore", tr.elapsed());
-        tracing::debug!(id = %req.id, ?restored, "restored");
-        let timeout = Duration::from_millis(u64::from(if req.ready_timeout_ms == 0 {
-            self.cfg.sandbox.ready_timeout_ms
-        } else {
-            req.ready_timeout_ms
-        }));
+        self.host.phase("restore", tr.elapsed());
+        tracing::debug!(id, ?restored, "restored");
+        let timeout = spec.ready_timeout;
         let ti = Instant::now();
         let (responder, ack) = tokio::task::spawn_blocking(move || {
             let r = responder.wait_ack(timeout);
@@ -344,49 +340,29 @@ impl Node {
         })
         .await
         .map_err(|e| NodeError::Internal(e.to_string()))?;
-        ack.map_err(mvm_err(&format!("sandbox {}", req.id)))?;
-        self.phase("init", ti.elapsed());
+        ack.map_err(mvm_err(&format!("sandbox {id}")))?;
+        self.host.phase("init", ti.elapsed());
         if let Ok(mut r) = p.responders.lock() {
-            r.insert(req.id.clone(), responder);
+            r.insert(id.clone(), responder);
         }
-        if let Some(m) = st.microvm.as_mut() {
+        if let Some(m) = st.runtime.microvm_mut() {
             m.inits += 1;
         }
-        st.phase = Phase::Running;
-        st.create_latency_us = t0.elapsed().as_micros() as u64;
-        self.save(&req.id, st)?;
-        self.phase("total", t0.elapsed());
-        self.metrics
-            .create_seconds
-            .with_label_values(&[if from_pool { "true" } else { "false" }])
-            .observe(t0.elapsed().as_secs_f64());
-        tracing::info!(id = %req.id, template = %st.template, from_pool, latency_us = st.create_latency_us, "microvm sandbox ready");
-        Ok(())
+        self.host.phase("total", t0.elapsed());
+        Ok(Created { from_pool })
     }
 
     /// Pause = pause to disk (guest memory released, the shim stays as an empty process);
     /// resume = restore from that directory in the same shim, then a fresh init.
-    pub(super) async fn pause_resume_microvm(
+    async fn pause_resume_microvm(
         &self,
         st: &mut SandboxState,
         pause: bool,
     ) -> Result<(), NodeError> {
-        let p = self.parts()?;
+        let p = self;
         let id = st.id.clone();
-        let want = if pause { Phase::Running } else { Phase::Paused };
-        if st.phase != want {
-            let why = match (pause, st.phase) {
-                (true, Phase::Paused) => "is already paused".to_string(),
-                (false, Phase::Running) => "is not paused".to_string(),
-                (_, ph) => format!("is {ph:?}"),
-            };
-            return Err(NodeError::FailedPrecondition(format!("sandbox {id} {why}")));
-        }
-        let mv = st
-            .microvm
-            .clone()
-            .ok_or_else(|| NodeError::Internal("not a microvm sandbox".into()))?;
-        let dir = self.paths_for(&id).dir;
+        let mv = microvm_state(st)?.clone();
+        let dir = self.host.paths_for(&id).dir;
         if pause {
             let pdir = dir.join(format!("pause-{}", mv.inits));
             let _ = std::fs::remove_dir_all(&pdir);
@@ -400,11 +376,9 @@ impl Node {
             })
             .await
             .map_err(mvm_err("pause to disk"))?;
-            if let Some(m) = st.microvm.as_mut() {
+            if let Some(m) = st.runtime.microvm_mut() {
                 m.paused_dir = Some(pdir);
             }
-            st.phase = Phase::Paused;
-            self.save(&id, st)?;
             return Ok(());
         }
         let pdir = mv
@@ -422,7 +396,7 @@ impl Node {
         let (socket, d2, disk, tap, vsock) = (
             mv.socket.clone(),
             pdir.clone(),
-            self.paths_for(&id).disk(),
+            self.host.paths_for(&id).disk(),
             mv.tap.clone(),
             mv.vsock.clone(),
         );
@@ -439,7 +413,7 @@ impl Node {
             )
         })
         .await;
-        let timeout = Duration::from_millis(u64::from(self.cfg.sandbox.ready_timeout_ms));
+        let timeout = Duration::from_millis(u64::from(self.host.cfg.sandbox.ready_timeout_ms));
         let (responder, ack) = tokio::task::spawn_blocking(move || {
             let a = r.and_then(|_| responder.wait_ack(timeout));
             (responder, a)
@@ -450,12 +424,10 @@ impl Node {
             m.insert(id.clone(), responder);
         }
         ack.map_err(mvm_err("resume"))?;
-        if let Some(m) = st.microvm.as_mut() {
+        if let Some(m) = st.runtime.microvm_mut() {
             m.paused_dir = None;
             m.inits += 1;
         }
-        st.phase = Phase::Running;
-        self.save(&id, st)?;
         // Older pause directories are no longer mapped by anything.
         if let Ok(rd) = std::fs::read_dir(&dir) {
             for e in rd.flatten() {
@@ -470,33 +442,30 @@ impl Node {
 
     /// SnapshotSandbox on microvm: memory + devices + disk of the sandbox become a template
     /// build; creating from it forks the sandbox (each copy gets its own init).
-    pub(super) async fn snapshot_microvm(
+    async fn snapshot_microvm(
         &self,
         st: &SandboxState,
         template: &str,
     ) -> Result<(crate::template::Manifest, bool), NodeError> {
-        let mv = st
-            .microvm
-            .clone()
-            .ok_or_else(|| NodeError::Internal("not a microvm sandbox".into()))?;
+        let mv = microvm_state(st)?.clone();
         if st.phase != Phase::Running {
             return Err(NodeError::FailedPrecondition(format!(
                 "sandbox {} is {:?}: resume it before taking a snapshot",
                 st.id, st.phase
             )));
         }
-        let staging = self.templates.dir().join(".staging");
+        let staging = self.host.templates.dir().join(".staging");
         std::fs::create_dir_all(&staging).map_err(|e| NodeError::Internal(e.to_string()))?;
         let tag = new_key();
         let disk_tmp = staging.join(format!("snap-{}-{tag}.ext4", st.id));
         let mem_tmp = staging.join(format!("snap-{}-{tag}.mem", st.id));
         let (socket, disk, d2, m2) = (
             mv.socket.clone(),
-            self.paths_for(&st.id).disk(),
+            self.host.paths_for(&st.id).disk(),
             disk_tmp.clone(),
             mem_tmp.clone(),
         );
-        let standin = self.parts()?.guest == Guest::Standin;
+        let standin = self.guest == Guest::Standin;
         // Paused while the disk is cloned and the memory written: both from the same instant.
         let r = blocking(move || {
             if standin {
@@ -525,7 +494,7 @@ impl Node {
             let _ = std::fs::remove_dir_all(&mem_tmp);
             return Err(mvm_err("snapshot")(e));
         }
-        let store = self.templates.clone();
+        let store = self.host.templates.clone();
         let (t, sid, dt) = (template.to_string(), st.id.clone(), disk_tmp.clone());
         let built = tokio::task::spawn_blocking(move || {
             store.build(
@@ -552,7 +521,7 @@ impl Node {
                 return Err(e);
             }
         };
-        let (_, rootfs) = self.templates.get(&m.name, Some(&m.build))?;
+        let (_, rootfs) = self.host.templates.get(&m.name, Some(&m.build))?;
         let build_dir = rootfs
             .parent()
             .ok_or_else(|| NodeError::Internal("template rootfs has no directory".into()))?;
@@ -568,7 +537,7 @@ impl Node {
         std::fs::rename(&mem_tmp, &out)
             .map_err(|e| NodeError::Internal(format!("install snapshot: {e}")))?;
         // Warm shims prepared for a replaced snapshot would restore stale memory.
-        for s in self.parts()?.pool.drain(Some(&out)) {
+        for s in self.pool.drain(Some(&out)) {
             self.discard_shim(s);
         }
         tracing::info!(sandbox = %st.id, template = %m.name, build = %m.build, "microvm snapshot is a template");
@@ -576,16 +545,15 @@ impl Node {
     }
 
     /// Releases a microVM sandbox's parts beyond its cgroup (killed by `destroy`) and directory.
-    pub(super) fn release_microvm(&self, st: &SandboxState) {
-        let Some(mv) = &st.microvm else { return };
-        let Ok(p) = self.parts() else { return };
+    fn release_microvm(&self, st: &SandboxState) {
+        let p = self;
         if let Ok(mut r) = p.responders.lock() {
             r.remove(&st.id);
         }
         // `destroy` already killed and reaped the shim (by pid, with its start time checked):
         // dropping the handle neither signals nor waits, so a reused pid is never touched.
         drop(p.children.lock().ok().and_then(|mut c| c.remove(&st.key)));
-        if let Some(t) = &mv.tap {
+        if let Some(t) = st.runtime.microvm().and_then(|m| m.tap.as_ref()) {
             p.taps.delete(t);
         }
         if !st.key.is_empty() {
@@ -595,8 +563,9 @@ impl Node {
 
     /// At restart: whether a live microVM sandbox's shim still answers (then its init channel
     /// is served again).
-    pub(super) fn readopt_microvm(&self, st: &SandboxState) -> bool {
-        let (Some(mv), Ok(p)) = (&st.microvm, self.parts()) else {
+    fn readopt_microvm(&self, st: &SandboxState) -> bool {
+        let p = self;
+        let Some(mv) = st.runtime.microvm() else {
             return false;
         };
         match microvm::call(&mv.socket, Op::Ping, Duration::from_secs(5)) {
@@ -620,31 +589,18 @@ impl Node {
         }
     }
 
-    /// At restart: taps, sockets and jail roots nothing refers to any more.
-    pub(super) async fn recover_microvm_leftovers(&self, keep_keys: &[String]) {
-        let Ok(p) = self.parts() else { return };
-        let entries: Vec<super::Entry> = self
-            .registry
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .cloned()
-            .collect();
-        let mut keep_taps = Vec::new();
-        for e in entries {
-            if let Some(t) = e.lock().await.microvm.as_ref().and_then(|m| m.tap.clone()) {
-                keep_taps.push(t);
-            }
-        }
-        p.taps.reap_except(&keep_taps);
-        for d in [&p.spawner.shims_dir, &p.spawner.roots_dir] {
+    /// At restart: taps, sockets and jail roots no live sandbox refers to.
+    fn reap_microvm_leftovers(&self, live: &[SandboxState]) {
+        let keep_taps: Vec<String> = live_taps(live);
+        self.taps.reap_except(&keep_taps);
+        for d in [&self.spawner.shims_dir, &self.spawner.roots_dir] {
             let Ok(rd) = std::fs::read_dir(d) else {
                 continue;
             };
             for e in rd.flatten() {
                 let n = e.file_name().to_string_lossy().to_string();
-                let key = n.split('.').next().unwrap_or("").to_string();
-                if !keep_keys.contains(&key) {
+                let key = n.split('.').next().unwrap_or("");
+                if !live.iter().any(|s| s.key == key) {
                     let _ = std::fs::remove_file(e.path());
                     let _ = std::fs::remove_dir(e.path());
                 }
@@ -652,73 +608,41 @@ impl Node {
         }
     }
 
-    /// Detects shims that died: their sandbox becomes `Failed` (reported, kept until killed).
-    pub(super) async fn check_shims(&self) {
-        let Ok(p) = self.parts() else { return };
-        // Reap exited children first (so they are not zombies counted as alive elsewhere).
-        let mut exits: HashMap<String, String> = HashMap::new();
-        if let Ok(mut c) = p.children.lock() {
-            c.retain(|k, ch| match ch.try_wait() {
-                Ok(Some(s)) => {
-                    exits.insert(k.clone(), s.to_string());
-                    false
-                }
-                _ => true,
-            });
+    /// Whether a sandbox's shim has died (a child of ours that exited, or a re-adopted one
+    /// that is gone), and why.
+    fn shim_died(&self, st: &mut SandboxState) -> Option<String> {
+        let exited = self.children.lock().ok().and_then(|mut c| {
+            let s = c.get_mut(&st.key)?.try_wait().ok()??;
+            c.remove(&st.key);
+            Some(s)
+        });
+        let why = match exited {
+            Some(s) => format!("cube-shim exited: {s}"),
+            None if !crate::runtime::is_alive(st.pid, st.pid_start) => "cube-shim is gone".into(),
+            None => return None,
+        };
+        if let Some(m) = st.runtime.microvm_mut() {
+            m.failure = Some(why.clone());
         }
-        let entries: Vec<super::Entry> = self
-            .registry
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .cloned()
-            .collect();
-        for e in entries {
-            let Ok(mut st) = e.try_lock() else { continue };
-            if st.microvm.is_none() || !matches!(st.phase, Phase::Running | Phase::Paused) {
-                continue;
-            }
-            let dead =
-                exits.contains_key(&st.key) || !crate::runtime::is_alive(st.pid, st.pid_start);
-            if !dead {
-                continue;
-            }
-            let why = exits
-                .get(&st.key)
-                .map(|s| format!("cube-shim exited: {s}"))
-                .unwrap_or_else(|| "cube-shim is gone".into());
-            tracing::error!(id = %st.id, pid = st.pid, reason = %why, "microvm sandbox failed");
-            st.phase = Phase::Failed;
-            if let Some(m) = st.microvm.as_mut() {
-                m.failure = Some(why);
-            }
-            let id = st.id.clone();
-            if let Err(e) = self.save(&id, &st) {
-                tracing::error!(id, error = %e, "recording failure");
-            }
-            if let Ok(mut r) = p.responders.lock() {
-                r.remove(&id);
-            }
-            self.metrics
-                .operations
-                .with_label_values(&["shim_died", "error"])
-                .inc();
+        if let Ok(mut r) = self.responders.lock() {
+            r.remove(&st.id);
         }
+        Some(why)
     }
 
     /// Tops up warm shims (per template in `pools.started`), taps and disks.
-    pub(super) async fn refill_microvm(self: &Arc<Self>) {
-        let Ok(p) = self.parts() else { return };
-        let taps = self.cfg.microvm.taps as usize;
+    async fn refill_microvm(&self) {
+        let p = self;
+        let taps = self.host.cfg.microvm.taps as usize;
         if let Err(e) = p.taps.refill(taps) {
             tracing::warn!(error = %e, "tap pool refill");
         }
         let (vcpus, mem) = (
-            self.cfg.sandbox.default_vcpus,
-            self.cfg.sandbox.default_memory_mib,
+            self.host.cfg.sandbox.default_vcpus,
+            self.host.cfg.sandbox.default_memory_mib,
         );
-        for (t, n) in self.cfg.pools.started.clone() {
-            let Ok((m, rootfs)) = self.templates.get(&t, None) else {
+        for (t, n) in self.host.cfg.pools.started.clone() {
+            let Ok((_, rootfs)) = self.host.templates.get(&t, None) else {
                 continue;
             };
             // Pre-cloned disks for this template (same pool as the namespace runtime's), unless
@@ -728,35 +652,8 @@ impl Node {
                     .join(microvm::SNAPSHOT_DISK)
                     .exists()
             });
-            while !own_disk
-                && self
-                    .pools
-                    .disks
-                    .lock()
-                    .map(|d| {
-                        d.get(&(t.clone(), m.build.clone()))
-                            .map(|v| v.len())
-                            .unwrap_or(0)
-                    })
-                    .unwrap_or(usize::MAX)
-                    < self.cfg.pools.disks as usize
-            {
-                let dst = self
-                    .pool_disk_dir
-                    .join(format!("{t}-{}-{}.ext4", m.build, new_key()));
-                let (s, d2) = (rootfs.clone(), dst.clone());
-                match tokio::task::spawn_blocking(move || crate::storage::clone_file(&s, &d2)).await
-                {
-                    Ok(Ok(_)) => {
-                        if let Ok(mut d) = self.pools.disks.lock() {
-                            d.entry((t.clone(), m.build.clone())).or_default().push(dst)
-                        }
-                    }
-                    other => {
-                        tracing::warn!(?other, "disk pool refill");
-                        break;
-                    }
-                }
+            if !own_disk {
+                self.host.refill_disks(&t).await;
             }
             if !p.backoff.ready(&t, Instant::now()) {
                 continue;
@@ -776,7 +673,7 @@ impl Node {
             };
             let mut failed = false;
             while p.pool.level(&key) < n as usize {
-                if *self.shutdown.borrow() {
+                if self.host.shutting_down() {
                     return;
                 }
                 match self.spawn_shim(vcpus, mem, Some(snap.clone())).await {
@@ -795,41 +692,25 @@ impl Node {
         }
     }
 
-    /// Kills pooled shims (all, or those of templates under `under`).
-    pub(super) fn drain_microvm_pools(&self, under: Option<&Path>) {
-        let Ok(p) = self.parts() else { return };
-        for s in p.pool.drain(under) {
+    /// Kills pooled shims (all, or those of templates under `under`), and at shutdown the
+    /// taps no live sandbox uses.
+    fn drain_microvm_pools(&self, under: Option<&Path>, live: &[SandboxState]) {
+        for s in self.pool.drain(under) {
             self.discard_shim(s);
         }
         if under.is_none() {
-            p.taps.reap_except(&self.live_taps());
+            self.taps.reap_except(&live_taps(live));
         }
     }
 
-    fn live_taps(&self) -> Vec<String> {
-        self.registry
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .filter_map(|e| {
-                e.try_lock()
-                    .ok()
-                    .and_then(|s| s.microvm.as_ref().and_then(|m| m.tap.clone()))
-            })
-            .collect()
-    }
-
-    pub(super) fn microvm_pool_levels(&self) -> Vec<(String, String, u32, u32)> {
-        let Ok(p) = self.parts() else {
-            return Vec::new();
-        };
-        let mut v = vec![(
-            "tap".to_string(),
-            String::new(),
-            p.taps.level() as u32,
-            self.cfg.microvm.taps,
-        )];
-        for (k, n) in p.pool.levels() {
+    fn microvm_pool_levels(&self) -> Vec<PoolLevel> {
+        let mut v = vec![PoolLevel {
+            pool: "tap".into(),
+            template: String::new(),
+            ready: self.taps.level() as u32,
+            target: self.host.cfg.microvm.taps,
+        }];
+        for (k, n) in self.pool.levels() {
             // templates/<t>/<build>/microvm-…: name the template.
             let t = k
                 .snapshot
@@ -838,22 +719,24 @@ impl Node {
                 .and_then(|t| t.file_name())
                 .map(|s| s.to_string_lossy().to_string())
                 .unwrap_or_default();
-            let target = self.cfg.pools.started.get(&t).copied().unwrap_or(0);
-            v.push(("shim".into(), t, n as u32, target));
+            let target = self.host.cfg.pools.started.get(&t).copied().unwrap_or(0);
+            v.push(PoolLevel {
+                pool: "shim".into(),
+                template: t,
+                ready: n as u32,
+                target,
+            });
         }
         v
     }
 
-    /// Shim-side view of a microVM sandbox (stats, for SandboxStats and tests).
-    pub async fn microvm_stats(
+    /// Shim-side view of a microVM sandbox.
+    async fn shim_stats(
         &self,
-        id: &str,
+        st: &SandboxState,
     ) -> Result<(ShimState, cube_shim::protocol::Stats), NodeError> {
-        let st = self.get(id).await?;
-        let mv = st.microvm.ok_or_else(|| {
-            NodeError::FailedPrecondition(format!("sandbox {id} is not a microVM"))
-        })?;
-        match blocking(move || microvm::call(&mv.socket, Op::Stats, SHIM_CALL))
+        let socket = microvm_state(st)?.socket.clone();
+        match blocking(move || microvm::call(&socket, Op::Stats, SHIM_CALL))
             .await
             .map_err(mvm_err("stats"))?
         {
@@ -862,5 +745,109 @@ impl Node {
                 "unexpected shim reply {other:?}"
             ))),
         }
+    }
+}
+
+fn microvm_state(st: &SandboxState) -> Result<&MicroVmState, NodeError> {
+    st.runtime
+        .microvm()
+        .ok_or_else(|| NodeError::Internal(format!("sandbox {} is not a microVM", st.id)))
+}
+
+fn live_taps(live: &[SandboxState]) -> Vec<String> {
+    live.iter()
+        .filter_map(|s| s.runtime.microvm().and_then(|m| m.tap.clone()))
+        .collect()
+}
+
+#[async_trait::async_trait]
+impl Runtime for Microvm {
+    fn name(&self) -> &'static str {
+        MICROVM
+    }
+
+    fn snapshot_kind(&self) -> SnapshotKind {
+        SnapshotKind::Full
+    }
+
+    fn new_state(&self) -> RuntimeState {
+        RuntimeState::Microvm(Box::default())
+    }
+
+    async fn create(&self, spec: &CreateSpec, st: &mut SandboxState) -> Result<Created, NodeError> {
+        self.create_microvm(spec, st).await
+    }
+
+    /// Pause to disk: guest memory released, the shim stays as an empty process.
+    async fn pause(&self, st: &mut SandboxState) -> Result<(), NodeError> {
+        self.pause_resume_microvm(st, true).await
+    }
+
+    /// Restore from the pause directory in the same shim, then a fresh init.
+    async fn resume(&self, st: &mut SandboxState) -> Result<(), NodeError> {
+        self.pause_resume_microvm(st, false).await
+    }
+
+    async fn snapshot(
+        &self,
+        st: &SandboxState,
+        template: &str,
+    ) -> Result<(crate::template::Manifest, bool), NodeError> {
+        self.snapshot_microvm(st, template).await
+    }
+
+    async fn release(&self, st: &SandboxState) -> bool {
+        crate::runtime::process::kill_sandbox(&self.host.cg, st).await;
+        self.release_microvm(st);
+        // A tap endpoint goes with its tap.
+        false
+    }
+
+    fn readopt(&self, st: &SandboxState) -> bool {
+        self.readopt_microvm(st)
+    }
+
+    fn reap_leftovers(&self, live: &[SandboxState]) {
+        self.reap_microvm_leftovers(live)
+    }
+
+    fn failure(&self, st: &mut SandboxState) -> Option<String> {
+        self.shim_died(st)
+    }
+
+    async fn refill(&self) {
+        self.refill_microvm().await
+    }
+
+    fn pool_levels(&self) -> Vec<PoolLevel> {
+        self.microvm_pool_levels()
+    }
+
+    async fn drain_pools(&self, template: Option<&str>, live: &[SandboxState]) {
+        let under = template.map(|t| self.host.templates.dir().join(t));
+        self.drain_microvm_pools(under.as_deref(), live)
+    }
+
+    /// CPU and memory from its shim (the VMM process and the guest RAM it has touched), disk
+    /// from its image file (the guest's filesystem is not visible from the host).
+    async fn sample(
+        &self,
+        st: &SandboxState,
+    ) -> Result<cube_proto::nodev1::SandboxStatsResponse, NodeError> {
+        let (_, s) = self.shim_stats(st).await?;
+        let (cpu_count, cpu_used_pct, now) =
+            crate::stats::cpu_pct(st, s.cpu_user_us + s.cpu_system_us);
+        let (disk_used, disk_total) =
+            crate::stats::image_usage(&self.host.paths_for(&st.id).disk()).unwrap_or((0, 0));
+        Ok(cube_proto::nodev1::SandboxStatsResponse {
+            cpu_count,
+            cpu_used_pct,
+            mem_used_bytes: s.guest_rss_kib * 1024,
+            mem_total_bytes: st.shape.memory_mib << 20,
+            mem_cache_bytes: 0,
+            disk_used_bytes: disk_used,
+            disk_total_bytes: disk_total,
+            timestamp_ms: now,
+        })
     }
 }
