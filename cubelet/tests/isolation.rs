@@ -444,7 +444,8 @@ fn the_device_program_allows_only_the_list() {
     let cg = unified.join(format!("cube-devtest-{}", std::process::id()));
     let _ = std::fs::remove_dir(&cg);
     std::fs::create_dir(&cg).unwrap();
-    cubelet::cgroup::devices::attach(&cg, &cubelet::cgroup::devices::rules()).unwrap();
+    let prog = cubelet::cgroup::devices::load(&cubelet::cgroup::devices::rules()).unwrap();
+    cubelet::cgroup::devices::attach(&cg, &prog).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let script = format!(
         "echo $$ > {procs}; \

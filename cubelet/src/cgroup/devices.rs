@@ -175,8 +175,8 @@ fn bpf(cmd: libc::c_long, attr: &mut [u8; 128]) -> std::io::Result<i64> {
     }
 }
 
-/// Loads the allow-list program and attaches it to the cgroup (v2) directory `dir`.
-pub fn attach(dir: &Path, rules: &[Rule]) -> Result<(), String> {
+/// Loads a device program allowing `rules`.
+pub fn load(rules: &[Rule]) -> Result<OwnedFd, String> {
     let code: Vec<u8> = program(rules).iter().flat_map(|i| i.bytes()).collect();
     let license = c"GPL";
     let mut log = vec![0u8; 4096];
@@ -197,7 +197,11 @@ pub fn attach(dir: &Path, rules: &[Rule]) -> Result<(), String> {
         )
     })?;
     // SAFETY: a new fd the kernel just returned to us.
-    let prog = unsafe { OwnedFd::from_raw_fd(prog as i32) };
+    Ok(unsafe { OwnedFd::from_raw_fd(prog as i32) })
+}
+
+/// Attaches a loaded device program to the cgroup (v2) directory `dir`.
+pub fn attach(dir: &Path, prog: &OwnedFd) -> Result<(), String> {
     let cg = std::fs::File::open(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let mut attr = [0u8; 128];
     attr[0..4].copy_from_slice(&(cg.as_raw_fd() as u32).to_ne_bytes());
@@ -214,6 +218,17 @@ pub fn attach(dir: &Path, rules: &[Rule]) -> Result<(), String> {
 pub fn rules() -> Vec<Rule> {
     // The list is a constant checked by a unit test: every line parses.
     DEVICE_ALLOW.iter().filter_map(|l| parse(l).ok()).collect()
+}
+
+/// The [`DEVICE_ALLOW`] program, loaded once per process: one program serves every sandbox
+/// cgroup (loading costs about a millisecond of verifier time).
+pub fn allow_list_program() -> Result<&'static OwnedFd, String> {
+    static PROG: std::sync::OnceLock<OwnedFd> = std::sync::OnceLock::new();
+    if let Some(p) = PROG.get() {
+        return Ok(p);
+    }
+    let p = load(&rules())?;
+    Ok(PROG.get_or_init(|| p))
 }
 
 #[cfg(test)]

@@ -174,7 +174,9 @@ impl Cgroups {
         }
         if let Some(d) = self.unified_devices_dir(key) {
             mkdir(&d)?;
-            devices::attach(&d, &devices::rules()).map_err(CgroupError::Devices)?;
+            devices::allow_list_program()
+                .and_then(|p| devices::attach(&d, p))
+                .map_err(CgroupError::Devices)?;
             join.push(d.join("cgroup.procs"));
         }
         Ok(join)
