@@ -3,14 +3,41 @@
 # missing, so every entry point (tests/run.sh, .ci/run, the single-host setup) can call it.
 #   deploy/deps.sh            build + runtime packages, Rust toolchain check
 #   deploy/deps.sh --test     also the test-only packages and the Python venvs with the pinned SDKs
+#   deploy/deps.sh --runsc    only gVisor's runsc (what a node install needs beyond its binaries)
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 WANT_TEST=0
 [ "${1:-}" = "--test" ] && WANT_TEST=1
+RUNSC_ONLY=0
+[ "${1:-}" = "--runsc" ] && RUNSC_ONLY=1
 
 if [ "$(id -u)" != 0 ]; then
     echo "deploy/deps.sh: run as root (it installs Debian packages)" >&2
     exit 1
+fi
+
+# gVisor's runsc for the `gvisor` runtime, from bookworm-backports (0.0~20240729: the systrap
+# platform and two more years of fixes than bookworm's 0.0~20221219).
+install_runsc() {
+if ! runsc --version 2>/dev/null | grep -q '^runsc version 0.0~2024'; then
+    if ! grep -rqs 'bookworm-backports' /etc/apt/sources.list /etc/apt/sources.list.d/; then
+        cat > /etc/apt/sources.list.d/cube-backports.sources <<'SRC'
+Types: deb
+URIs: http://deb.debian.org/debian
+Suites: bookworm-backports
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+SRC
+    fi
+    echo "deps: installing runsc (gVisor) from bookworm-backports"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends -t bookworm-backports runsc >/dev/null
+fi
+}
+
+if [ $RUNSC_ONLY = 1 ]; then
+    install_runsc
+    exit 0
 fi
 
 # Build: clang/libbpf for cube-vs' eBPF, nasm for the hypervisor's test guests, protoc for tonic.
@@ -30,6 +57,8 @@ if [ ${#missing[@]} -gt 0 ]; then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
+
+install_runsc
 
 # Rust: the workspace needs rustc >= 1.95. Debian's rustc is older, so use rustup's.
 if ! command -v cargo >/dev/null 2>&1 && [ -x "$HOME/.cargo/bin/cargo" ]; then

@@ -7,7 +7,7 @@
 # cube-master and cube-api, builds the `base` template if missing, creates an API key and prints
 # the three E2B_* variables that point the official E2B SDKs at this host.
 #
-#   deploy/dev-up.sh [--data-dir DIR] [--api-port N] [--runtime auto|namespace|microvm] [--foreground]
+#   deploy/dev-up.sh [--data-dir DIR] [--api-port N] [--runtime auto|namespace|gvisor|microvm] [--foreground]
 #   deploy/dev-up.sh --down [--data-dir DIR] [--purge]
 #
 # Everything after the build is `cubectl up` / `cubectl down`; see `cubectl up --help`.
@@ -18,7 +18,7 @@ RUNTIME=auto
 UP_ARGS=()
 DOWN_ARGS=()
 usage() {
-    echo "usage: $0 [--data-dir DIR] [--api-port N] [--runtime auto|namespace|microvm] [--foreground]" >&2
+    echo "usage: $0 [--data-dir DIR] [--api-port N] [--runtime auto|namespace|gvisor|microvm] [--foreground]" >&2
     echo "       $0 --down [--data-dir DIR] [--purge]" >&2
     exit 2
 }

@@ -16,8 +16,8 @@
 #   --no-tls           plaintext gRPC (single host only; the default for --single-host)
 #   --no-start         install and enable, but do not start or restart services
 #   --node-id ID       cubelet node id (default: the short host name)
-#   --runtime R        cubelet runtime: namespace | microvm | auto (default: auto with KVM,
-#                      namespace without)
+#   --runtime R        cubelet runtime: namespace | gvisor | microvm | auto (default: auto: microvm
+#                      with VMX/SVM, else gvisor where runsc works, else namespace)
 #   --extra-san LIST   more names in the master's certificate (IP:..,DNS:..), e.g. other addresses
 #   --cubelet-extra F  TOML tables appended to a newly written cubelet.toml ([switch], [pools] ...)
 # PKI helpers (used by --control and by operators issuing node certificates):
@@ -150,7 +150,7 @@ SYSTEMD=0
 if [ -z "$R" ] && [ "$(cat /proc/1/comm 2>/dev/null)" = systemd ]; then SYSTEMD=1; fi
 [ "$TLS" = auto ] && { [ "$MODE" = single-host ] && TLS=off || TLS=on; }
 [ -z "$CUBELET_EXTRA" ] || [ -r "$CUBELET_EXTRA" ] || die "--cubelet-extra $CUBELET_EXTRA is not readable"
-case "$RUNTIME" in ""|namespace|microvm|auto) ;; *) die "--runtime must be namespace, microvm or auto" ;; esac
+case "$RUNTIME" in ""|namespace|gvisor|microvm|auto) ;; *) die "--runtime must be namespace, gvisor, microvm or auto" ;; esac
 [ -n "$ADVERTISE" ] || ADVERTISE=$(hostname -I 2>/dev/null | awk '{print $1}')
 [ -n "$ADVERTISE" ] || ADVERTISE=127.0.0.1
 case $ADVERTISE in *[!0-9.]*) SAN_ADV="DNS:$ADVERTISE" ;; *) SAN_ADV="IP:$ADVERTISE" ;; esac
@@ -191,9 +191,10 @@ if [ $WANT_COMPUTE = 1 ]; then
 fi
 if [ $TLS = on ] && ! command -v openssl >/dev/null; then die "TLS needs the openssl CLI (apt install openssl)"; fi
 
-if [ -z "$RUNTIME" ]; then
-    RUNTIME=auto
-    [ $KVM_KIND = none ] && RUNTIME=namespace
+RUNTIME=${RUNTIME:-auto}
+# gVisor's runsc (Debian bookworm-backports) for runtime gvisor, and for auto without VMX/SVM.
+if [ $WANT_COMPUTE = 1 ] && [ "$RUNTIME" != namespace ] && [ "$RUNTIME" != microvm ] && [ -z "$R" ]; then
+    bash "$SRC/deploy/deps.sh" --runsc || warn "could not install runsc: runtime auto falls back to namespace"
 fi
 if [ $KVM_KIND = none ] && [ "$RUNTIME" = microvm ]; then die "--runtime microvm needs /dev/kvm"; fi
 

@@ -54,6 +54,16 @@ for req in tests/requirements-*.txt; do
     "$CUBE_VENV_ROOT/$name/bin/python" -m pytest -q -p no:cacheprovider "tests/$name"
 done
 
+# The SDK, interpreter and attacker suites again on the gvisor runtime (runsc; installed by
+# deploy/deps.sh). The microVM files are the microvm runtime's own and ran above.
+for name in e2e e2e_245 e2e_220 e2e_npm interpreter isolation; do
+    step "Python suite tests/$name on gvisor"
+    CUBE_E2E_RUNTIME=gvisor "$CUBE_VENV_ROOT/$name/bin/python" -m pytest -q -p no:cacheprovider \
+        "tests/$name" --ignore=tests/e2e/test_microvm.py \
+        --ignore=tests/interpreter/test_microvm_interpreter.py \
+        --ignore=tests/isolation/test_microvm_boundary.py
+done
+
 step "guest kernel: script self-tests, boot to init under QEMU"
 bash deploy/guest-kernel/selftest.sh "$KOUT/vmlinux"
 # This host's KVM is PVM (no VMX/SVM), so the boot test uses QEMU's emulator (TCG); on a host

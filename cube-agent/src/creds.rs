@@ -7,23 +7,44 @@
 //! Switching fsuid away from 0 also drops the capabilities that bypass permission checks
 //! (CAP_DAC_OVERRIDE, CAP_FOWNER, ...), and switching back restores them.
 //! The raw `setgroups` syscall is used on purpose: glibc's wrapper applies it to every thread.
+//! Where `setfsuid` has no effect (gVisor's kernel keeps it as a no-op), the thread switches
+//! its effective ids instead, with the raw per-thread `setresuid`/`setresgid` (real and saved
+//! ids stay 0, so it can switch back; the effective capabilities go and return the same way).
 
 use crate::users::User;
 
+/// How a thread took on a user's rights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Switched {
+    No,
+    FsIds,
+    EffectiveIds,
+}
+
 /// Restores root's filesystem credentials when dropped.
 pub struct FsCredsGuard {
-    active: bool,
+    how: Switched,
 }
+
+/// `(uid_t)-1`: leave that id as it is.
+const KEEP: libc::c_long = -1;
 
 impl Drop for FsCredsGuard {
     fn drop(&mut self) {
-        if self.active {
-            // SAFETY: plain syscalls on the current thread.
-            unsafe {
-                libc::setfsuid(0);
-                libc::setfsgid(0);
-                libc::syscall(libc::SYS_setgroups, 0usize, std::ptr::null::<libc::gid_t>());
+        // SAFETY: plain syscalls on the current thread.
+        unsafe {
+            match self.how {
+                Switched::No => return,
+                Switched::FsIds => {
+                    libc::setfsuid(0);
+                    libc::setfsgid(0);
+                }
+                Switched::EffectiveIds => {
+                    libc::syscall(libc::SYS_setresuid, KEEP, 0 as libc::c_long, KEEP);
+                    libc::syscall(libc::SYS_setresgid, KEEP, 0 as libc::c_long, KEEP);
+                }
             }
+            libc::syscall(libc::SYS_setgroups, 0usize, std::ptr::null::<libc::gid_t>());
         }
     }
 }
@@ -35,7 +56,7 @@ pub fn become_user(user: &User) -> std::io::Result<FsCredsGuard> {
     let euid = unsafe { libc::geteuid() };
     if euid != 0 || user.uid == 0 {
         // Not root: we can only act as ourselves; root acts as root.
-        return Ok(FsCredsGuard { active: false });
+        return Ok(FsCredsGuard { how: Switched::No });
     }
     let groups: Vec<libc::gid_t> = user.groups.clone();
     // SAFETY: raw per-thread syscalls with valid pointers.
@@ -43,15 +64,41 @@ pub fn become_user(user: &User) -> std::io::Result<FsCredsGuard> {
     if rc != 0 {
         return Err(std::io::Error::last_os_error());
     }
-    let guard = FsCredsGuard { active: true };
+    let mut guard = FsCredsGuard {
+        how: Switched::FsIds,
+    };
     // SAFETY: setfsgid/setfsuid only affect this thread.
     unsafe {
         libc::setfsgid(user.gid);
         libc::setfsuid(user.uid);
         // setfsuid returns the previous value; confirm the switch took effect.
-        if libc::setfsuid(user.uid) as u32 != user.uid {
-            return Err(std::io::Error::other("setfsuid did not take effect"));
+        if libc::setfsuid(user.uid) as u32 == user.uid {
+            return Ok(guard);
         }
+    }
+    guard.how = Switched::EffectiveIds;
+    // SAFETY: raw per-thread syscalls (glibc's wrappers would switch every thread).
+    let (g, u) = unsafe {
+        (
+            libc::syscall(
+                libc::SYS_setresgid,
+                KEEP,
+                libc::c_long::from(user.gid),
+                KEEP,
+            ),
+            libc::syscall(
+                libc::SYS_setresuid,
+                KEEP,
+                libc::c_long::from(user.uid),
+                KEEP,
+            ),
+        )
+    };
+    // SAFETY: geteuid cannot fail.
+    if g != 0 || u != 0 || unsafe { libc::geteuid() } != user.uid {
+        return Err(std::io::Error::other(
+            "neither setfsuid nor setresuid took effect",
+        ));
     }
     Ok(guard)
 }

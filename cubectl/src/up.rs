@@ -17,10 +17,13 @@ use std::time::{Duration, Instant};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Runtime {
-    /// microVMs where /dev/kvm can boot the guest kernel, else namespaces.
+    /// The strongest this host runs well: microVMs with VMX/SVM, else gVisor where runsc
+    /// works, else namespaces.
     Auto,
     /// Sandboxes in Linux namespaces (shared host kernel).
     Namespace,
+    /// gVisor sandboxes (runsc: a user-space kernel between sandbox and host).
+    Gvisor,
     /// KVM microVMs.
     Microvm,
 }
@@ -30,6 +33,7 @@ impl Runtime {
         match self {
             Runtime::Auto => "auto",
             Runtime::Namespace => "namespace",
+            Runtime::Gvisor => "gvisor",
             Runtime::Microvm => "microvm",
         }
     }

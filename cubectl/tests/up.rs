@@ -350,7 +350,7 @@ fn up_status_second_install_and_down() {
     let sb = json(&["status", "--data-dir", b.d()]);
     assert_eq!(sb["up"], true, "{sb}");
     assert!(
-        ["namespace", "microvm"].contains(&sb["runtime"].as_str().unwrap_or("")),
+        ["namespace", "gvisor", "microvm"].contains(&sb["runtime"].as_str().unwrap_or("")),
         "{sb}"
     );
     assert_ne!(sb["urls"]["master"], s["urls"]["master"]);

@@ -24,10 +24,12 @@ pub struct Config {
     pub cache_dir: PathBuf,
     /// cube-agent binary copied into every template as /sbin/cube-agent.
     pub agent_binary: PathBuf,
-    /// Runtime for new sandboxes: "namespace", "microvm" or "auto" (microvm when /dev/kvm can
-    /// run `microvm.guest`, else namespace).
+    /// Runtime for new sandboxes: "namespace", "gvisor", "microvm" or "auto" (the strongest
+    /// this host runs well: microvm with VMX/SVM, else gvisor where `runsc` works, else
+    /// namespace).
     pub runtime: String,
     pub microvm: MicroVmConfig,
+    pub gvisor: GvisorConfig,
     pub storage: StorageConfig,
     pub sandbox: SandboxConfig,
     pub cgroup: CgroupConfig,
@@ -105,6 +107,28 @@ impl Default for MicroVmConfig {
             taps: 4,
             jail: true,
             mem_overhead_mib: 128,
+        }
+    }
+}
+
+/// The `gvisor` runtime (each sandbox a `runsc` sandbox: gVisor's user-space kernel).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GvisorConfig {
+    /// The runsc binary (Debian: `runsc` from bookworm-backports).
+    pub runsc: PathBuf,
+    /// gVisor platform: "systrap" or "ptrace" ("kvm" needs VMX/SVM).
+    pub platform: String,
+    /// More runsc flags, before the command (e.g. "--debug").
+    pub extra_args: Vec<String>,
+}
+
+impl Default for GvisorConfig {
+    fn default() -> Self {
+        GvisorConfig {
+            runsc: "/usr/bin/runsc".into(),
+            platform: "systrap".into(),
+            extra_args: Vec::new(),
         }
     }
 }
@@ -191,6 +215,7 @@ impl Default for Config {
             agent_binary: "/usr/lib/cube/cube-agent".into(),
             runtime: "namespace".into(),
             microvm: MicroVmConfig::default(),
+            gvisor: GvisorConfig::default(),
             storage: StorageConfig::default(),
             sandbox: SandboxConfig::default(),
             cgroup: CgroupConfig::default(),

@@ -68,9 +68,11 @@ enum Cmd {
 }
 
 fn main() {
-    // The sandbox launcher must run before any thread exists (it forks).
-    if std::env::args().nth(1).as_deref() == Some("sandbox-init") {
-        std::process::exit(cubelet::runtime::namespace::init::main());
+    // The sandbox launchers must run before any thread exists (they fork).
+    match std::env::args().nth(1).as_deref() {
+        Some("sandbox-init") => std::process::exit(cubelet::runtime::namespace::init::main()),
+        Some("gvisor-init") => std::process::exit(cubelet::runtime::gvisor::init::main()),
+        _ => {}
     }
     let cli = Cli::parse();
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()

@@ -85,6 +85,8 @@ pub enum RuntimeState {
     /// Namespaces: everything needed is in the shared part (pid, key, endpoint).
     #[default]
     Namespace,
+    /// A runsc sandbox named by the sandbox's key.
+    Gvisor,
     Microvm(Box<MicroVmState>),
 }
 
@@ -93,6 +95,7 @@ impl RuntimeState {
     pub fn name(&self) -> &'static str {
         match self {
             RuntimeState::Namespace => NAMESPACE,
+            RuntimeState::Gvisor => GVISOR,
             RuntimeState::Microvm(_) => MICROVM,
         }
     }
@@ -114,6 +117,7 @@ impl RuntimeState {
 
 /// Runtime names (config `runtime = ...`, API `runtime`).
 pub const NAMESPACE: &str = "namespace";
+pub const GVISOR: &str = "gvisor";
 pub const MICROVM: &str = "microvm";
 
 /// Per-sandbox microVM state.
@@ -235,6 +239,7 @@ mod tests {
         };
         for rt in [
             RuntimeState::Namespace,
+            RuntimeState::Gvisor,
             RuntimeState::Microvm(Box::new(mv.clone())),
         ] {
             save(&p, &state(rt.clone())).unwrap();

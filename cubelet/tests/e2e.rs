@@ -429,9 +429,22 @@ async fn bad_requests_get_clear_grpc_errors() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restarted_cubelet_readopts_running_and_reaps_half_created() {
     cube_testkit::require_priv!("cubelet::restart_readopts");
+    restart_readopts("namespace").await;
+}
+
+/// The same on gVisor: runsc sandboxes outlive cubelet and are taken back (runsc knows them
+/// with the recorded pid), a half-created one is reaped with its bundle and root mount.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restarted_cubelet_readopts_gvisor_sandboxes() {
+    cube_testkit::require_priv!("cubelet::restart_readopts_gvisor");
+    restart_readopts("gvisor").await;
+}
+
+async fn restart_readopts(runtime: &'static str) {
     let mut c = Cubelet::new(
-        "rst",
+        if runtime == "gvisor" { "rsg" } else { "rst" },
         Opts {
+            runtime: Some(runtime),
             network_pool: 2,
             ..Default::default()
         },
@@ -486,6 +499,7 @@ async fn restarted_cubelet_readopts_running_and_reaps_half_created() {
         .into_inner();
     let ids: Vec<&str> = l.sandboxes.iter().map(|s| s.sandbox_id.as_str()).collect();
     assert_eq!(ids, vec!["keep1", "keep2"], "{}", c.log());
+    assert!(l.sandboxes.iter().all(|s| s.runtime == runtime), "{l:?}");
     assert!(
         !half.exists() && !bad.exists(),
         "half-created sandboxes were not reaped"

@@ -66,9 +66,14 @@ class Cube:
         self.procs = []
 
 
+# The runtime of the session's stack: every SDK test runs against it. CI runs the suite on
+# `namespace` and again on `gvisor` (tests/run.sh).
+RUNTIME = os.environ.get("CUBE_E2E_RUNTIME", "namespace")
+
+
 @pytest.fixture(scope="session")
 def cube():
-    yield from _stack("namespace")
+    yield from _stack(RUNTIME)
 
 
 def guest_kernel():
@@ -86,6 +91,16 @@ def cube_microvm():
     yield from _stack("microvm")
 
 
+@pytest.fixture(scope="module")
+def cube_gvisor(request):
+    """A stack whose cubelet runs the gvisor runtime (runsc, systrap platform): the session's
+    own when the suite runs on gvisor, else a second one."""
+    if RUNTIME == "gvisor":
+        yield request.getfixturevalue("cube")
+        return
+    yield from _stack("gvisor")
+
+
 def _stack(runtime):
     if os.geteuid() != 0:
         pytest.fail("tests/e2e needs root: cubelet creates namespaces, cgroups and loop mounts")
@@ -98,12 +113,14 @@ def _stack(runtime):
     v = subprocess.run([agent, "--version"], capture_output=True, text=True)
     if v.returncode != 0 or "cube-agent" not in v.stdout:
         pytest.fail(f"{agent} does not run (--version: rc={v.returncode} {v.stderr.strip()!r})")
-    name = f"e2e{os.getpid()}" + ("vm" if runtime == "microvm" else "")
+    name = f"e2e{os.getpid()}" + {"microvm": "vm", "gvisor": "gv"}.get(runtime, "")
     # The switch's node-level state is this test node's own: a host address pool that no other
     # test cubelet uses, its own bpffs pin root and masquerade table (removed at teardown).
     host_pool = os.environ.get("CUBE_E2E_HOST_POOL") or f"10.238.{os.getpid() % 254 + 1}.0/24"
     if runtime == "microvm":
         host_pool = f"10.239.{os.getpid() % 254 + 1}.0/24"
+    if runtime == "gvisor":
+        host_pool = f"10.237.{os.getpid() % 254 + 1}.0/24"
     pin_root = f"/tmp/cube-e2e-bpf-{name}"
     nft_table = f"cube_e2e_{name}".replace("-", "_")
     root = f"/var/tmp/cube-e2e-{name}"
@@ -129,6 +146,11 @@ taps = 2
 shims_per_template = 1
 [pools.started]
 {TEMPLATE} = 1
+"""
+        if runtime == "gvisor":
+            # Creates take a pre-started runsc sandbox, as on namespaces.
+            microvm = f"""[pools.started]
+{TEMPLATE} = 2
 """
         with open(cfg, "w") as f:
             f.write(f"""runtime = "{runtime}"

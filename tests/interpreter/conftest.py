@@ -12,10 +12,15 @@ import stack
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+# The session stack's runtime (as in tests/e2e): CI runs the suite on namespace and on gvisor.
+RUNTIME = os.environ.get("CUBE_E2E_RUNTIME", "namespace")
+
+
 @pytest.fixture(scope="session")
 def cube():
     try:
-        with stack.cube_stack(tag="ci") as c:
+        with stack.cube_stack(tag="ci" if RUNTIME == "namespace" else f"ci{RUNTIME[:2]}",
+                              runtime=RUNTIME) as c:
             yield c
     except stack.StackError as e:
         pytest.fail(str(e))

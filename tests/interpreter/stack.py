@@ -94,7 +94,8 @@ def cube_stack(tag="ci", log=print, runtime="namespace"):
     if v.returncode != 0 or "cube-agent" not in v.stdout:
         raise StackError(f"{agent} does not run (--version: rc={v.returncode} {v.stderr.strip()!r})")
     name = f"{tag}{os.getpid()}"
-    host_pool = f"10.{240 if runtime == 'microvm' else 239}.{os.getpid() % 254 + 1}.0/24"
+    octet = {"microvm": 240, "gvisor": 236}.get(runtime, 239)
+    host_pool = f"10.{octet}.{os.getpid() % 254 + 1}.0/24"
     pin_root = f"/tmp/cube-{tag}-bpf-{name}"
     nft_table = f"cube_{tag}_{name}".replace("-", "_")
     root = f"/var/tmp/cube-{tag}-{name}"

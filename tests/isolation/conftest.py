@@ -1,5 +1,6 @@
-"""The attacker suite's stack: tests/e2e's single-host Cube (namespace runtime, its tiny
-template built from host binaries), started by that suite's own code, not a copy of it."""
+"""The attacker suite's stack: tests/e2e's single-host Cube (on the runtime CUBE_E2E_RUNTIME
+names, `namespace` by default; its tiny template built from host binaries), started by that
+suite's own code, not a copy of it."""
 
 import importlib.util
 import json
@@ -16,11 +17,12 @@ e2e = importlib.util.module_from_spec(_spec)
 sys.modules["e2e_stack"] = e2e
 _spec.loader.exec_module(e2e)
 TEMPLATE = e2e.TEMPLATE
+RUNTIME = e2e.RUNTIME
 
 
 @pytest.fixture(scope="session")
 def cube():
-    yield from e2e._stack("namespace")
+    yield from e2e._stack(e2e.RUNTIME)
 
 
 def detail(cube, sid):

@@ -8,7 +8,8 @@
  *   <name> killed <sig>    the kernel killed the process (seccomp)
  *   <name> empty           opened, but nothing to read (a masked path)
  *
- * and `status <line>` for CapBnd, CapEff, NoNewPrivs and Seccomp of /proc/self/status.
+ * and `status <line>` for CapBnd, CapEff, NoNewPrivs and Seccomp of /proc/self/status, and
+ * `status prctl-NoNewPrivs: N` from prctl(PR_GET_NO_NEW_PRIVS).
  * It refuses to run where PID 1 is not cube-agent.
  */
 #define _GNU_SOURCE
@@ -22,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mount.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -303,5 +305,7 @@ int main(void)
 			printf("status %s", line);
 	if (f)
 		fclose(f);
+	/* The kernel's own answer (gVisor's status file has no NoNewPrivs line). */
+	printf("status prctl-NoNewPrivs: %d\n", prctl(PR_GET_NO_NEW_PRIVS, 0, 0, 0, 0));
 	return 0;
 }

@@ -12,7 +12,10 @@ runtime's boundary instead.
 import pytest
 from e2b import Sandbox
 
-from conftest import TEMPLATE, detail
+from conftest import RUNTIME, TEMPLATE, detail
+
+# The runtimes this suite runs on (CUBE_E2E_RUNTIME) and the boundary the API must report.
+ISOLATION = {"namespace": "shared-kernel", "gvisor": "user-space-kernel"}
 
 SIGSYS = 31
 
@@ -51,6 +54,15 @@ EXPECT = {
     "userfaultfd": "refused",
 }
 
+# On gvisor these reach gVisor's Sentry, which answers them itself (its own namespaces,
+# keyring and sysrq file; the host kernel never sees the call), and the x32 and i386 system
+# call tables do not exist there.
+SENTRY = ["open-w /proc/sysrq-trigger", "unshare(CLONE_NEWUSER|CLONE_NEWNET)",
+          "clone3(CLONE_NEWUSER|CLONE_NEWNET)", "clone(CLONE_NEWUSER)", "keyctl"]
+EXPECT_GVISOR = {**EXPECT, **{k: "sentry" for k in SENTRY},
+                 "x32 mount": "ENOSYS", "i386 int 0x80": "ENOSYS"}
+EXPECTED = EXPECT_GVISOR if RUNTIME == "gvisor" else EXPECT
+
 # Capabilities no sandbox process may hold: DAC_READ_SEARCH 2, LINUX_IMMUTABLE 9,
 # NET_ADMIN 12, IPC_LOCK 14, SYS_MODULE 16, SYS_RAWIO 17, SYS_PTRACE 19, SYS_ADMIN 21,
 # SYS_BOOT 22, SYS_RESOURCE 24, SYS_TIME 25, MKNOD 27, MAC_ADMIN 33, SYSLOG 34, BPF 39,
@@ -63,7 +75,7 @@ def run_probe(cube, probe):
     try:
         # The API says what boundary this sandbox has.
         d = detail(cube, sbx.sandbox_id)
-        assert (d["runtime"], d["isolation"]) == ("namespace", "shared-kernel"), d
+        assert (d["runtime"], d["isolation"]) == (RUNTIME, ISOLATION[RUNTIME]), d
         sbx.files.write("/tmp/escape_probe", probe)
         r = sbx.commands.run("chmod 755 /tmp/escape_probe && /tmp/escape_probe", user="root",
                              timeout=120)
@@ -87,6 +99,8 @@ def parse(out):
 
 def verdict(want, got):
     """None if `got` (the probe's word for one attempt) is what `want` allows."""
+    if want == "sentry":
+        return None
     if want == "killed":
         return None if got == f"killed {SIGSYS}" else "not killed"
     if want == "ENOSYS":
@@ -103,15 +117,18 @@ def test_root_in_a_sandbox_cannot_reach_the_host(cube, probe):
     out = run_probe(cube, probe)
     print(out)
     got, status = parse(out)
-    missing = sorted(set(EXPECT) - set(got))
+    missing = sorted(set(EXPECTED) - set(got))
     assert not missing, f"the probe did not report {missing}:\n{out}"
-    broken = {n: f"{got[n]} ({why})" for n, want in EXPECT.items()
+    broken = {n: f"{got[n]} ({why})" for n, want in EXPECTED.items()
               if (why := verdict(want, got[n]))}
     assert not broken, f"escapes that worked: {broken}\n{out}"
 
     # The state every sandbox process starts in.
-    assert status.get("NoNewPrivs") == "1", status
-    assert status.get("Seccomp") == "2", status
+    assert status.get("prctl-NoNewPrivs") == "1", status
+    if RUNTIME == "namespace":
+        assert status.get("NoNewPrivs") == "1", status
+        # Our filter; under gvisor the host filter is the Sentry's own, not visible inside.
+        assert status.get("Seccomp") == "2", status
     for field in ("CapBnd", "CapEff"):
         caps = int(status[field], 16)
         held = [c for c in FORBIDDEN_CAPS if caps >> c & 1]
@@ -125,6 +142,10 @@ def test_the_probe_tells_a_refusal_from_a_success():
     assert verdict("ENOSYS", "errno 1 Operation not permitted")
     assert verdict("refused", "empty")
     assert verdict("refused", "killed 9")
+    # Only the calls the Sentry answers are let through on gvisor; the rest stay refused.
+    assert set(SENTRY) < set(EXPECT) and all(EXPECT_GVISOR[k] == EXPECT[k]
+                                             for k in EXPECT if k not in SENTRY
+                                             and k not in ("x32 mount", "i386 int 0x80"))
     assert verdict("masked", "empty") is None and verdict("refused", "errno 30 x") is None
     assert verdict("refused", f"killed {SIGSYS}") is None
 
@@ -174,6 +195,9 @@ def test_a_sandbox_cannot_fill_the_host_disk_through_its_init_output(cube):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.xfail(RUNTIME == "gvisor", strict=True,
+                   reason="gvisor: no user namespace (Debian's runsc refuses one in the spec), so "
+                          "files its root creates on the sandbox's disk are host uid 0; issue #25")
 def test_root_in_a_sandbox_is_not_root_on_the_host(cube):
     import os
     import uuid

@@ -1,4 +1,4 @@
-//! `node-bench`: runs a real cubelet (namespace runtime, or `--runtime microvm`, see
+//! `node-bench`: runs a real cubelet (namespace runtime, `--runtime gvisor`, or `--runtime microvm`, see
 //! [`microvm`]) and measures
 //! * CreateSandbox → agent healthy (+ /init) with a warm pool of pre-started sandboxes, and cold;
 //! * host memory per idle sandbox with many idle sandboxes.
@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 mod microvm;
 
 #[derive(Parser)]
-#[command(about = "cubelet node benchmarks (namespace runtime)")]
+#[command(about = "cubelet node benchmarks (namespace, gvisor or microvm runtime)")]
 struct Args {
     /// Output directory for results.json and results.md.
     #[arg(long)]
@@ -38,7 +38,8 @@ struct Args {
     /// Pre-started sandboxes kept in the warm pool.
     #[arg(long, default_value_t = 4)]
     pool: u32,
-    /// "namespace" (default) or "microvm" (cube-shim + KVM with the agent stand-in guest).
+    /// "namespace" (default), "gvisor" (runsc) or "microvm" (cube-shim + KVM with the agent
+    /// stand-in guest).
     #[arg(long, default_value = "namespace")]
     runtime: String,
     /// cube-shim binary for --runtime microvm (default: next to this binary).
@@ -85,6 +86,7 @@ fn write_config(
     agent: &Path,
     pool: u32,
     net: u32,
+    runtime: &str,
 ) -> anyhow::Result<(PathBuf, String, String)> {
     let (g, h) = (free_port()?, free_port()?);
     let started = if pool > 0 {
@@ -93,7 +95,7 @@ fn write_config(
         String::new()
     };
     let cfg = format!(
-        "grpc_addr = \"127.0.0.1:{g}\"\nhttp_addr = \"127.0.0.1:{h}\"\ndata_dir = \"{r}/data\"\nrun_dir = \"{r}/run\"\ncache_dir = \"{r}/cache\"\nagent_binary = \"{a}\"\n\
+        "runtime = \"{runtime}\"\ngrpc_addr = \"127.0.0.1:{g}\"\nhttp_addr = \"127.0.0.1:{h}\"\ndata_dir = \"{r}/data\"\nrun_dir = \"{r}/run\"\ncache_dir = \"{r}/cache\"\nagent_binary = \"{a}\"\n\
          [storage]\nxfs_loop_image = \"{r}/xfs.img\"\nxfs_loop_size_gib = 8\n\
          [sandbox]\ntmp_size_mib = 16\nready_timeout_ms = 30000\n[cgroup]\nparent = \"cube-bench-{p}\"\n\
          [pools]\nnetwork = {net}\ndisks = {d}\ndisk_templates = [{dt}]\nrefill_interval_ms = 20\n[pools.started]\n{started}\n",
@@ -311,8 +313,8 @@ async fn main() -> anyhow::Result<()> {
             unix,
         })
         .await;
-    } else if a.runtime != "namespace" {
-        bail!("--runtime: \"namespace\" or \"microvm\"");
+    } else if !["namespace", "gvisor"].contains(&a.runtime.as_str()) {
+        bail!("--runtime: \"namespace\", \"gvisor\" or \"microvm\"");
     }
     let agent = a
         .agent
@@ -350,7 +352,7 @@ async fn main() -> anyhow::Result<()> {
     if !st.success() {
         bail!("assembling the host-root template failed");
     }
-    let (cfg0, grpc0, http0) = write_config(&root, &agent, 0, 0)?;
+    let (cfg0, grpc0, http0) = write_config(&root, &agent, 0, 0, &a.runtime)?;
     let st = Command::new(&cubelet)
         .arg("--config")
         .arg(&cfg0)
@@ -373,14 +375,14 @@ async fn main() -> anyhow::Result<()> {
     let (cold, phases) = cold;
     // Warm: pre-started sandboxes waiting for /init.
     eprintln!("warm-pool creates ({})...", a.iterations);
-    let (cfg1, grpc1, _) = write_config(&root, &agent, a.pool, 8)?;
+    let (cfg1, grpc1, _) = write_config(&root, &agent, a.pool, 8, &a.runtime)?;
     let warm = {
         let (_d, mut cl) = start(&cubelet, &cfg1, &grpc1, &log).await?;
         measure(&mut cl, "warm", a.iterations, true).await?
     };
     // Idle memory: many sandboxes, nothing running in them but the agent.
     eprintln!("idle memory ({} sandboxes)...", a.idle);
-    let (cfg2, grpc2, _) = write_config(&root, &agent, 0, 0)?;
+    let (cfg2, grpc2, _) = write_config(&root, &agent, 0, 0, &a.runtime)?;
     let (idle_done, per_sb_kib, cg_kib, slab_kib, elapsed_s) = {
         let (_d, mut cl) = start(&cubelet, &cfg2, &grpc2, &log).await?;
         tokio::time::sleep(Duration::from_secs(1)).await;
@@ -454,7 +456,11 @@ async fn main() -> anyhow::Result<()> {
             )
         };
     let mut md = String::new();
-    md.push_str("## node-bench: CreateSandbox → agent ready (namespace runtime)\n\n");
+    md.push_str(&format!(
+        "## node-bench: CreateSandbox → agent ready ({} runtime, isolation {})\n\n",
+        a.runtime,
+        cube_proto::isolation::of(&a.runtime)
+    ));
     md.push_str("| mode | n | from pool | client p50 ms | client p99 ms | node p50 ms | node p99 ms | target p50 |\n|---|---|---|---|---|---|---|---|\n");
     md.push_str(&row(
         "warm pool",
@@ -489,7 +495,8 @@ async fn main() -> anyhow::Result<()> {
     let json = serde_json::json!({
         "bench": "node-bench",
         "unix_time": unix,
-        "runtime": "namespace",
+        "runtime": a.runtime,
+        "isolation": cube_proto::isolation::of(&a.runtime),
         "warm_pool": {"n": warm.client_ms.len(), "from_pool": warm.from_pool, "client_ms_p50": pct(&mut warm_c, 0.5), "client_ms_p99": pct(&mut warm_c, 0.99), "node_ms_p50": pct(&mut warm_s, 0.5), "node_ms_p99": pct(&mut warm_s, 0.99), "client_ms": warm.client_ms, "target_p50_ms": 5},
         "no_pool": {"n": cold.client_ms.len(), "client_ms_p50": pct(&mut cold_c, 0.5), "client_ms_p99": pct(&mut cold_c, 0.99), "node_ms_p50": pct(&mut cold_s, 0.5), "node_ms_p99": pct(&mut cold_s, 0.99), "client_ms": cold.client_ms, "target_p50_ms": 50, "phases_mean": phase_json},
         "idle": {"sandboxes": idle_done, "create_seconds": elapsed_s, "host_mem_available_drop_kib_per_sandbox": per_sb_kib, "cgroup_memory_kib_per_sandbox": cg_kib, "slab_kib_per_sandbox": slab_kib},

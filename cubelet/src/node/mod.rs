@@ -70,7 +70,8 @@ fn warn_shared_kernel(why: &str) {
         reason = why,
         "SANDBOXES ON THIS NODE SHARE THE HOST KERNEL: runtime \"namespace\" (namespaces, \
          a user namespace, seccomp allow-list, no_new_privs, dropped capabilities). \
-         Untrusted code is safer in the \"microvm\" runtime (a host with VMX/SVM)"
+         Untrusted code is safer in the \"gvisor\" runtime (runsc installed) or the \"microvm\" \
+         runtime (a host with VMX/SVM)"
     );
 }
 
@@ -79,9 +80,17 @@ impl Node {
     /// the runtime, recovers state.
     pub async fn start(cfg: Config, hook: Arc<dyn NetworkHook>) -> anyhow::Result<Arc<Node>> {
         use anyhow::Context;
-        let selection =
-            crate::runtime::select(&cfg.runtime, &crate::runtime::kvm_kind(), &cfg.microvm)
-                .map_err(|e| anyhow::anyhow!(e))?;
+        let gvisor = match cfg.runtime.as_str() {
+            "gvisor" | "auto" => crate::runtime::gvisor::can_run(&cfg.gvisor.runsc),
+            _ => Err("not asked for".into()),
+        };
+        let selection = crate::runtime::select(
+            &cfg.runtime,
+            &crate::runtime::kvm_kind(),
+            &cfg.microvm,
+            gvisor,
+        )
+        .map_err(|e| anyhow::anyhow!(e))?;
         tracing::info!(runtime = selection.runtime, kvm = %selection.kvm_kind, reason = %selection.reason, "runtime selected");
         if selection.runtime == crate::sandbox::NAMESPACE {
             warn_shared_kernel(&selection.reason);

@@ -2,12 +2,17 @@
 //! from prepared parts to running and back; the node (`node/`) owns the registry, state files,
 //! recovery and request defaults and never asks which runtime it has.
 //!
-//! * `namespace/`: Linux namespaces, a user namespace, cgroups, seccomp: a shared kernel.
+//! * `container/`: a sandbox that is a process tree on the host (disk, cgroup, network
+//!   namespace, pre-started pool), its PID 1 started by a launcher:
+//!   * `namespace/`: Linux namespaces, a user namespace, seccomp: a shared kernel;
+//!   * `gvisor/`: a `runsc` sandbox: gVisor's user-space kernel.
 //! * `microvm/` (cargo feature `microvm`): one cube-shim per sandbox hosting a KVM microVM
 //!   restored from the template's memory snapshot.
 //!
 //! [`select`] decides which one a node runs; [`build`] is the only place that names them.
 
+pub mod container;
+pub mod gvisor;
 pub mod host;
 #[cfg(feature = "microvm")]
 pub mod microvm;
@@ -120,7 +125,14 @@ pub fn build(selection: &Selection, host: Arc<Host>) -> anyhow::Result<Arc<dyn R
     match selection.runtime {
         #[cfg(feature = "microvm")]
         crate::sandbox::MICROVM => Ok(Arc::new(microvm::Microvm::new(host)?)),
-        crate::sandbox::NAMESPACE => Ok(Arc::new(namespace::Namespace::new(host)?)),
+        crate::sandbox::GVISOR => {
+            let l = gvisor::Gvisor::new(&host.cfg)?;
+            Ok(Arc::new(container::Container::new(host, l)))
+        }
+        crate::sandbox::NAMESPACE => {
+            let l = namespace::Namespace::new(&host.cfg)?;
+            Ok(Arc::new(container::Container::new(host, l)))
+        }
         other => anyhow::bail!("runtime {other:?} is not built into this cubelet"),
     }
 }

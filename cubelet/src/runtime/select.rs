@@ -2,7 +2,7 @@
 //! strongest isolation the host can give, within what this cubelet is built with.
 
 use crate::config::MicroVmConfig;
-use crate::sandbox::{MICROVM, NAMESPACE};
+use crate::sandbox::{GVISOR, MICROVM, NAMESPACE};
 use std::path::{Path, PathBuf};
 
 /// `microvm.guest` value selecting the shim's agent stand-in test guest.
@@ -74,8 +74,14 @@ pub fn can_run(kvm_kind: &str, guest: &Guest, shim: &Path) -> Result<(), String>
     }
 }
 
-/// Decides the runtime for `configured` ("namespace", "microvm", "auto").
-pub fn select(configured: &str, kvm_kind: &str, cfg: &MicroVmConfig) -> Result<Selection, String> {
+/// Decides the runtime for `configured` ("namespace", "gvisor", "microvm", "auto"), given
+/// whether `runsc` works here (`gvisor`).
+pub fn select(
+    configured: &str,
+    kvm_kind: &str,
+    cfg: &MicroVmConfig,
+    gvisor: Result<(), String>,
+) -> Result<Selection, String> {
     let guest = Guest::from_config(&cfg.guest);
     let ok = can_run(kvm_kind, &guest, &cfg.shim_binary);
     let sel = |runtime, reason: String| Selection {
@@ -84,10 +90,11 @@ pub fn select(configured: &str, kvm_kind: &str, cfg: &MicroVmConfig) -> Result<S
         reason,
     };
     match configured {
-        "namespace" => Ok(sel(
-            NAMESPACE,
-            "configured runtime = \"namespace\"".into(),
-        )),
+        "namespace" => Ok(sel(NAMESPACE, "configured runtime = \"namespace\"".into())),
+        "gvisor" => match gvisor {
+            Ok(()) => Ok(sel(GVISOR, "configured runtime = \"gvisor\"".into())),
+            Err(why) => Err(format!("runtime \"gvisor\" cannot run here: {why}")),
+        },
         "microvm" => match ok {
             Ok(()) => Ok(sel(
                 MICROVM,
@@ -99,24 +106,32 @@ pub fn select(configured: &str, kvm_kind: &str, cfg: &MicroVmConfig) -> Result<S
             )),
         },
         // PVM emulates guest kernel mode: a Linux microVM works there (with the cube_pvm kernel)
-        // but every system call is emulated, about 1 s per `commands.run`. `auto` keeps such
-        // hosts on namespaces; `runtime = "microvm"` still selects it.
-        "auto" if ok.is_ok() && kvm_kind == "pvm" && matches!(guest, Guest::Linux(_)) => Ok(sel(
-            NAMESPACE,
-            "auto: /dev/kvm is PVM, which emulates a Linux guest's kernel mode (slow); using namespace (set runtime = \"microvm\" to use it anyway)".into(),
-        )),
-        "auto" => Ok(match ok {
-            Ok(()) => sel(
-                MICROVM,
-                format!("auto: /dev/kvm ({kvm_kind}) can run guest {:?}", cfg.guest),
-            ),
-            Err(why) => sel(
-                NAMESPACE,
-                format!("auto: microvm unavailable ({why}); using namespace"),
-            ),
-        }),
+        // but every system call is emulated, about 1 s per `commands.run`. `auto` does not
+        // pick it on such hosts; `runtime = "microvm"` still selects it.
+        "auto" => {
+            let microvm = match ok {
+                Ok(()) if kvm_kind == "pvm" && matches!(guest, Guest::Linux(_)) => Err(
+                    "/dev/kvm is PVM, which emulates a Linux guest's kernel mode (slow; set runtime = \"microvm\" to use it anyway)".to_string(),
+                ),
+                other => other,
+            };
+            Ok(match (microvm, gvisor) {
+                (Ok(()), _) => sel(
+                    MICROVM,
+                    format!("auto: /dev/kvm ({kvm_kind}) can run guest {:?}", cfg.guest),
+                ),
+                (Err(why), Ok(())) => sel(
+                    GVISOR,
+                    format!("auto: microvm unavailable ({why}); runsc works: using gvisor"),
+                ),
+                (Err(why), Err(g)) => sel(
+                    NAMESPACE,
+                    format!("auto: microvm unavailable ({why}), gvisor unavailable ({g}); using namespace"),
+                ),
+            })
+        }
         other => Err(format!(
-            "unknown runtime {other:?} (use \"namespace\", \"microvm\" or \"auto\")"
+            "unknown runtime {other:?} (use \"namespace\", \"gvisor\", \"microvm\" or \"auto\")"
         )),
     }
 }
@@ -142,6 +157,10 @@ pub fn kvm_kind() -> String {
 mod tests {
     use super::*;
 
+    fn no() -> Result<(), String> {
+        Err("no runsc".into())
+    }
+
     fn cfg(guest: &str, shim: &Path) -> MicroVmConfig {
         MicroVmConfig {
             guest: guest.into(),
@@ -159,49 +178,73 @@ mod tests {
         std::fs::write(&kernel, b"").unwrap();
         let k = kernel.to_str().unwrap();
         // PVM cannot boot a stock Linux: auto falls back, explicit microvm is refused.
-        let s = select("auto", "pvm", &cfg(k, &shim)).unwrap();
+        let s = select("auto", "pvm", &cfg(k, &shim), no()).unwrap();
         assert_eq!(s.runtime, "namespace");
         assert!(s.reason.contains("cube_pvm patch"), "{}", s.reason);
-        assert!(select("microvm", "pvm", &cfg(k, &shim)).is_err());
+        assert!(select("microvm", "pvm", &cfg(k, &shim), no()).is_err());
         // The stand-in runs on any KVM.
-        let s = select("auto", "pvm", &cfg(STANDIN_GUEST, &shim)).unwrap();
+        let s = select("auto", "pvm", &cfg(STANDIN_GUEST, &shim), no()).unwrap();
         assert_eq!(s.runtime, "microvm");
         assert_eq!(s.kvm_kind, "pvm");
         assert_eq!(
-            select("microvm", "pvm", &cfg(STANDIN_GUEST, &shim))
+            select("microvm", "pvm", &cfg(STANDIN_GUEST, &shim), no())
                 .unwrap()
                 .runtime,
             "microvm"
         );
         // No KVM, or no shim: namespace.
         assert_eq!(
-            select("auto", "none", &cfg(STANDIN_GUEST, &shim))
+            select("auto", "none", &cfg(STANDIN_GUEST, &shim), no())
                 .unwrap()
                 .runtime,
             "namespace"
         );
         let missing = d.path().join("nope");
-        let s = select("auto", "pvm", &cfg(STANDIN_GUEST, &missing)).unwrap();
+        let s = select("auto", "pvm", &cfg(STANDIN_GUEST, &missing), no()).unwrap();
         assert_eq!(s.runtime, "namespace");
         assert!(s.reason.contains("not found"));
         // Hardware KVM with a kernel: microvm.
-        let s = select("auto", "hardware", &cfg(k, &shim)).unwrap();
+        let s = select("auto", "hardware", &cfg(k, &shim), no()).unwrap();
         assert_eq!(s.runtime, "microvm");
         // PVM with a kernel that carries the cube_pvm patch: microvm when asked for, but
         // auto stays on namespaces (guest kernel mode is emulated there).
         std::fs::write(&kernel, b"\x7fELF...cube_pvm\0...").unwrap();
         assert!(kernel_has_pvm_patch(&kernel));
-        let s = select("microvm", "pvm", &cfg(k, &shim)).unwrap();
+        let s = select("microvm", "pvm", &cfg(k, &shim), no()).unwrap();
         assert_eq!(s.runtime, "microvm");
-        let s = select("auto", "pvm", &cfg(k, &shim)).unwrap();
+        let s = select("auto", "pvm", &cfg(k, &shim), no()).unwrap();
         assert_eq!(s.runtime, "namespace");
         assert!(s.reason.contains("emulates"), "{}", s.reason);
         assert_eq!(
-            select("namespace", "hardware", &cfg(k, &shim))
+            select("namespace", "hardware", &cfg(k, &shim), no())
                 .unwrap()
                 .runtime,
             "namespace"
         );
-        assert!(select("vm", "hardware", &cfg(k, &shim)).is_err());
+        assert!(select("vm", "hardware", &cfg(k, &shim), no()).is_err());
+        // gVisor: between the two. Chosen by auto where a microVM is not (PVM, no KVM), never
+        // over a microVM on hardware KVM; refused when asked for and runsc does not work.
+        let s = select("auto", "pvm", &cfg(k, &shim), Ok(())).unwrap();
+        assert_eq!(s.runtime, "gvisor");
+        assert_eq!(
+            select("auto", "none", &cfg(k, &shim), Ok(()))
+                .unwrap()
+                .runtime,
+            "gvisor"
+        );
+        assert_eq!(
+            select("auto", "hardware", &cfg(k, &shim), Ok(()))
+                .unwrap()
+                .runtime,
+            "microvm"
+        );
+        assert_eq!(
+            select("gvisor", "none", &cfg(k, &shim), Ok(()))
+                .unwrap()
+                .runtime,
+            "gvisor"
+        );
+        let e = select("gvisor", "hardware", &cfg(k, &shim), no()).unwrap_err();
+        assert!(e.contains("no runsc"), "{e}");
     }
 }

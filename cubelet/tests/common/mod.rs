@@ -73,6 +73,8 @@ pub struct Cubelet {
 
 #[derive(Default)]
 pub struct Opts {
+    /// `runtime` (default: cubelet's own default).
+    pub runtime: Option<&'static str>,
     /// Use the persistent debootstrap cache (/var/cache/cube/templates) instead of a temp one.
     pub shared_cache: bool,
     pub network_pool: u32,
@@ -114,7 +116,7 @@ impl Cubelet {
         let pin_root = PathBuf::from(format!("/tmp/cubelet-bpf-{name}"));
         let nft_table = format!("cube_t_{name}");
         let cfg = format!(
-            r#"grpc_addr = "{gip}:{g}"
+            r#"{runtime}grpc_addr = "{gip}:{g}"
 http_addr = "127.0.0.1:{h}"
 data_dir = "{root}/data"
 run_dir = "{root}/run"
@@ -144,6 +146,10 @@ nft_table = "{nft_table}"
 [pools.started]
 {started}
 "#,
+            runtime = o
+                .runtime
+                .map(|r| format!("runtime = \"{r}\"\n"))
+                .unwrap_or_default(),
             gip = if o.grpc_any { "0.0.0.0" } else { "127.0.0.1" },
             switch = if o.no_switch { "none" } else { "cube-vs" },
             pin = pin_root.display(),

@@ -162,13 +162,15 @@ pub fn main() -> i32 {
     }
 }
 
-fn launch(spec: &InitSpec) -> Result<i32, String> {
+/// Moves the calling (single-threaded launcher) process into the sandbox's cgroups and
+/// network namespace, whatever starts the sandbox's PID 1 from there.
+pub(crate) fn enter(cgroup_procs: &[PathBuf], netns: &Path) -> Result<(), String> {
     let me = std::process::id().to_string();
-    for f in &spec.cgroup_procs {
+    for f in cgroup_procs {
         std::fs::write(f, &me).map_err(|e| format!("join cgroup {}: {e}", f.display()))?;
     }
-    let ns = std::fs::File::open(&spec.netns)
-        .map_err(|e| format!("open netns {}: {e}", spec.netns.display()))?;
+    let ns =
+        std::fs::File::open(netns).map_err(|e| format!("open netns {}: {e}", netns.display()))?;
     // SAFETY: setns with an fd we own.
     if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
         return Err(err("setns(net)"));
@@ -178,6 +180,11 @@ fn launch(spec: &InitSpec) -> Result<i32, String> {
     // without CAP_NET_RAW or a setuid/file-capability binary (no_new_privs ignores both).
     // /proc/sys/net is the namespace of the writer: the sandbox's.
     let _ = std::fs::write("/proc/sys/net/ipv4/ping_group_range", "0 2147483647");
+    Ok(())
+}
+
+fn launch(spec: &InitSpec) -> Result<i32, String> {
+    enter(&spec.cgroup_procs, &spec.netns)?;
     // Forked before the new PID namespace, so they stay outside the sandbox's.
     let log_pipe = spawn_log_writer(&spec.log)?;
     let userns = match spec.ids {
@@ -386,7 +393,7 @@ pub const LOG_CAP_BYTES: u64 = 8 << 20;
 /// [`LOG_CAP_BYTES`]) and returns the write end of its pipe. The writer runs as nobody with no
 /// capabilities and `no_new_privs`, in the sandbox's cgroups (so it goes with the sandbox), and
 /// ends when the last writer closes the pipe.
-fn spawn_log_writer(log: &Path) -> Result<OwnedFd, String> {
+pub(crate) fn spawn_log_writer(log: &Path) -> Result<OwnedFd, String> {
     let file = std::fs::OpenOptions::new()
         .create(true)
         .append(true)

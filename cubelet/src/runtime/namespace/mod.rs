@@ -1,41 +1,35 @@
-//! The `namespace` runtime: a sandbox is its reflinked disk (loop-mounted ext4 inside the
-//! sandbox's own mount namespace), cube-agent as PID 1 in new mount/pid/uts/ipc/net/cgroup
-//! namespaces, cgroup limits, Docker's capabilities less CAP_MKNOD, `no_new_privs`, an
-//! allow-list seccomp filter (`seccomp.rs`), OCI's masked and read-only `/proc` paths,
-//! `nosuid,nodev` mounts and a device allow-list (`init.rs`, `crate::cgroup`). Isolation is a
-//! shared kernel, like a container: weaker than `microvm`, and reported as such. Each sandbox
-//! has a user namespace (`[sandbox] user_namespace`, ids from `id_base`): its root is an
-//! unprivileged host id, and its disk is an idmapped mount, so the image's root-owned files
-//! are its root's. Pause freezes the cgroup; snapshots keep the filesystem only.
+//! The `namespace` runtime's launcher (the rest is `super::container`): PID 1 is cube-agent
+//! in new mount/pid/uts/ipc/net/cgroup namespaces over the sandbox's loop-mounted disk, with
+//! Docker's capabilities less CAP_MKNOD, `no_new_privs`, an allow-list seccomp filter
+//! (`seccomp.rs`), OCI's masked and read-only `/proc` paths, `nosuid,nodev` mounts and a
+//! device allow-list (`init.rs`, `crate::cgroup`). Isolation is a shared kernel, like a
+//! container: weaker than `microvm`, and reported as such. Each sandbox has a user namespace
+//! (`[sandbox] user_namespace`, ids from `id_base`, reserved in /etc/subuid by `subids.rs`):
+//! its root is an unprivileged host id, and its disk is an idmapped mount, so the image's
+//! root-owned files are its root's.
 
 pub mod init;
 pub mod launch;
 pub mod seccomp;
-mod started;
 pub mod subids;
 
-use super::host::{new_key, timed, Host, PoolLevel};
-use super::{CreateSpec, Created, Runtime, SnapshotKind};
-use crate::error::{internal, task, NodeError};
-use crate::network::Policy;
-use crate::sandbox::{Phase, RuntimeState, SandboxState, NAMESPACE};
-use crate::template::Source;
+use super::container::Launcher;
+use crate::cgroup::Cgroups;
+use crate::config::Config;
+use crate::sandbox::{RuntimeState, SandboxPaths, SandboxState, NAMESPACE};
 use launch::LaunchSettings;
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::path::Path;
 
 pub use launch::loops_backed_under;
 
+/// Starts PID 1 with `cubelet sandbox-init` (`init.rs`).
 pub struct Namespace {
-    host: Arc<Host>,
     launch: LaunchSettings,
-    started: started::StartedPool,
 }
 
 impl Namespace {
-    pub fn new(host: Arc<Host>) -> anyhow::Result<Namespace> {
+    pub fn new(cfg: &Config) -> anyhow::Result<Namespace> {
         use anyhow::Context;
-        let cfg = &host.cfg;
         // Sandbox inits are double-forked: become their reaper so they do not linger as zombies.
         // SAFETY: prctl with integer arguments.
         unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
@@ -89,481 +83,30 @@ impl Namespace {
             run_size_mib: cfg.sandbox.run_size_mib,
             tmp_size_mib: cfg.sandbox.tmp_size_mib,
         };
-        Ok(Namespace {
-            host,
-            launch,
-            started: started::StartedPool::default(),
-        })
-    }
-
-    /// Starts PID 1 of a sandbox whose disk, cgroup and namespace exist.
-    async fn launch(
-        &self,
-        st: &SandboxState,
-        dirname: &str,
-        netns: std::path::PathBuf,
-    ) -> (Result<(i32, u64), NodeError>, Duration) {
-        let (settings, cg, key, paths) = (
-            self.launch.clone(),
-            self.host.cg.clone(),
-            st.key.clone(),
-            self.host.paths_for(dirname),
-        );
-        let t = Instant::now();
-        let r = tokio::task::spawn_blocking(move || {
-            launch::launch_prepared(&settings, &cg, &key, &paths, &netns)
-        })
-        .await
-        .map_err(task)
-        .and_then(|r| r.map_err(|e| NodeError::Internal(format!("starting sandbox: {e}"))));
-        (r, t.elapsed())
-    }
-
-    /// Builds a sandbox from scratch: disk, namespace, cgroup, then PID 1 while the veth and
-    /// the switch binding are wired.
-    async fn cold_start(&self, spec: &CreateSpec, st: &mut SandboxState) -> Result<(), NodeError> {
-        let h = &self.host;
-        let id = st.id.clone();
-        let paths = h.paths_for(&id);
-        std::fs::create_dir(&paths.dir)
-            .map_err(|e| NodeError::Internal(format!("creating {}: {e}", paths.dir.display())))?;
-        h.save(&id, st)?;
-        // Disk clone, network endpoint and cgroup are independent: build them at once.
-        let disk_path = paths.disk();
-        let disk = timed(h.prepare_disk(
-            &st.template,
-            &st.build,
-            &spec.rootfs,
-            &disk_path,
-            st.shape.disk_mib,
-        ));
-        // A pooled endpoint when there is one; else only the namespace now, and the veth
-        // while the sandbox starts in it.
-        let endpoint = timed(async {
-            let pooled = h.pools.net.lock().ok().and_then(|mut v| v.pop());
-            match pooled {
-                Some(ep) => {
-                    h.wake.notify_one();
-                    Ok((ep, None))
-                }
-                None => {
-                    let ep = h.net.endpoint_for(&new_key());
-                    match h.net.create_netns_only(&ep).await {
-                        Ok(nsh) => Ok((ep, Some(nsh))),
-                        Err(e) => {
-                            h.net.destroy(&ep).await;
-                            Err(NodeError::Internal(format!("network namespace: {e}")))
-                        }
-                    }
-                }
-            }
-        });
-        let (cg, key, limits) = (h.cg.clone(), st.key.clone(), h.limits(st.shape, 0));
-        let cgroup = timed(async move {
-            tokio::task::spawn_blocking(move || {
-                cg.create(&key)?;
-                cg.set_limits(&key, limits)
-            })
-            .await
-            .map_err(task)
-            .and_then(|r| r.map_err(|e| NodeError::Internal(format!("cgroup: {e}"))))
-        });
-        let tp = Instant::now();
-        let ((disk_r, disk_t), (ep_r, ep_t), (cg_r, cg_t)) = tokio::join!(disk, endpoint, cgroup);
-        h.phase("disk", disk_t);
-        h.phase("endpoint", ep_t);
-        h.phase("cgroup", cg_t);
-        h.phase("prepare", tp.elapsed());
-        // Record the endpoint before failing on anything else, so cleanup releases it.
-        if let Ok((ep, _)) = ep_r.as_ref() {
-            st.endpoint = Some(ep.clone());
-        }
-        let (ep, nsh) = ep_r?;
-        disk_r?;
-        cg_r?;
-        h.save(&id, st)?;
-        let launch = self.launch(st, &id, ep.netns_path.clone());
-        // The veth and the switch binding need only the namespace: build them while the
-        // launcher runs (the agent listens on 0.0.0.0 and is reached only after this).
-        let wire = async {
-            let (wired, veth_t) = timed(async {
-                match nsh {
-                    Some(nsh) => h
-                        .net
-                        .wire_netns(ep, nsh)
-                        .await
-                        .map_err(|e| NodeError::Internal(format!("network endpoint: {e}"))),
-                    None => Ok(ep),
-                }
-            })
-            .await;
-            h.phase("veth", veth_t);
-            let tpol = Instant::now();
-            let r = wired.and_then(|ep| {
-                let addr = h
-                    .net
-                    .hook()
-                    .apply_policy(&ep, &st.policy)
-                    .map_err(internal("network policy"))?;
-                Ok((ep, addr))
-            });
-            h.phase("policy", tpol.elapsed());
-            r
-        };
-        let ((launched, launch_t), wired) = tokio::join!(launch, wire);
-        h.phase("launch", launch_t);
-        // Record the pid first: a network error must still kill the started sandbox.
-        let (pid, start) = launched?;
-        st.pid = pid;
-        st.pid_start = start;
-        match wired {
-            Ok((ep, addr)) => {
-                st.endpoint = Some(ep);
-                st.host_addr = addr;
-            }
-            Err(e) => {
-                let _ = h.save(&id, st);
-                return Err(e);
-            }
-        }
-        h.save(&id, st)?;
-        let th = Instant::now();
-        let ep = st
-            .endpoint
-            .as_ref()
-            .ok_or_else(|| NodeError::Internal("sandbox has no network endpoint".into()))?;
-        h.agent(ep, st.host_addr)
-            .wait_healthy(spec.ready_timeout)
-            .await
-            .map_err(|e| {
-                let log = std::fs::read_to_string(paths.log()).unwrap_or_default();
-                let tail: Vec<&str> = log.lines().rev().take(5).collect();
-                let tail: Vec<&str> = tail.into_iter().rev().collect();
-                NodeError::DeadlineExceeded(format!(
-                    "sandbox {id}: {e}; agent log: {}",
-                    tail.join(" | ")
-                ))
-            })?;
-        h.phase("healthy", th.elapsed());
-        Ok(())
-    }
-
-    /// Takes over a pre-started sandbox: its directory, processes and endpoint become `st`'s,
-    /// with `st`'s shape and policy.
-    fn adopt_pooled(&self, p: SandboxState, st: &mut SandboxState) -> Result<(), NodeError> {
-        let h = &self.host;
-        let from = h.paths_for(&started::dirname(&p.key)).dir;
-        let to = h.paths_for(&st.id).dir;
-        std::fs::rename(&from, &to)
-            .map_err(|e| NodeError::Internal(format!("claiming pooled sandbox: {e}")))?;
-        st.key = p.key.clone();
-        st.pid = p.pid;
-        st.pid_start = p.pid_start;
-        st.endpoint = p.endpoint.clone();
-        st.host_addr = p.host_addr;
-        h.save(&st.id, st)?;
-        h.cg.set_limits(&st.key, h.limits(st.shape, 0))
-            .map_err(|e| NodeError::Internal(e.to_string()))?;
-        let ep = st
-            .endpoint
-            .clone()
-            .ok_or_else(|| NodeError::Internal("sandbox has no network endpoint".into()))?;
-        let addr = h
-            .net
-            .hook()
-            .apply_policy(&ep, &st.policy)
-            .map_err(internal("network policy"))?;
-        if addr != st.host_addr {
-            st.host_addr = addr;
-            h.save(&st.id, st)?;
-        }
-        Ok(())
-    }
-
-    /// Releases a sandbox that never became the node's (a pool entry).
-    async fn discard(&self, st: &SandboxState) {
-        let reusable = self.release(st).await;
-        self.host
-            .release_rest(&started::dirname(&st.key), st, reusable)
-            .await;
-    }
-
-    /// Freezes or thaws the sandbox's cgroup.
-    async fn freeze(&self, st: &SandboxState, freeze: bool) -> Result<(), NodeError> {
-        let (cg, key) = (self.host.cg.clone(), st.key.clone());
-        tokio::task::spawn_blocking(move || cg.set_frozen(&key, freeze))
-            .await
-            .map_err(task)?
-            .map_err(|e| NodeError::Internal(e.to_string()))
+        Ok(Namespace { launch })
     }
 }
 
-#[async_trait::async_trait]
-impl Runtime for Namespace {
+impl Launcher for Namespace {
     fn name(&self) -> &'static str {
         NAMESPACE
-    }
-
-    fn snapshot_kind(&self) -> SnapshotKind {
-        SnapshotKind::Filesystem
     }
 
     fn new_state(&self) -> RuntimeState {
         RuntimeState::Namespace
     }
 
-    async fn create(&self, spec: &CreateSpec, st: &mut SandboxState) -> Result<Created, NodeError> {
-        let h = &self.host;
-        let t0 = Instant::now();
-        // Pool entries have the template image's disk size: a larger disk starts cold.
-        let pooled = if st.shape.disk_mib
-            == h.templates
-                .get(&st.template, Some(&st.build))?
-                .0
-                .rootfs
-                .bytes
-                .div_ceil(1 << 20)
-        {
-            self.started.claim(h, &st.template, &st.build).await
-        } else {
-            None
-        };
-        let from_pool = pooled.is_some();
-        match pooled {
-            Some(p) => self.adopt_pooled(p, st)?,
-            None => self.cold_start(spec, st).await?,
-        }
-        let ep = st
-            .endpoint
-            .clone()
-            .ok_or_else(|| NodeError::Internal("sandbox has no network endpoint".into()))?;
-        let init = crate::agent::InitRequest {
-            env_vars: spec.init.env_vars.clone(),
-            access_token: spec.init.access_token.clone(),
-            timestamp: crate::agent::rfc3339_now(),
-            default_user: spec.init.default_user.clone(),
-            default_workdir: spec.init.default_workdir.clone(),
-        };
-        let ti = Instant::now();
-        h.agent(&ep, st.host_addr)
-            .init(&init)
-            .await
-            .map_err(|e| NodeError::Internal(format!("sandbox {}: /init: {e}", st.id)))?;
-        if !from_pool {
-            h.phase("init", ti.elapsed());
-            h.phase("total", t0.elapsed());
-        }
-        Ok(Created { from_pool })
-    }
-
-    async fn pause(&self, st: &mut SandboxState) -> Result<(), NodeError> {
-        self.freeze(st, true).await
-    }
-
-    async fn resume(&self, st: &mut SandboxState) -> Result<(), NodeError> {
-        self.freeze(st, false).await
-    }
-
-    /// The sandbox is frozen while its filesystem is flushed and its disk cloned, then put
-    /// back as it was.
-    async fn snapshot(
+    fn launch(
         &self,
-        st: &SandboxState,
-        template: &str,
-    ) -> Result<(crate::template::Manifest, bool), NodeError> {
-        let h = &self.host;
-        let was_running = st.phase == Phase::Running;
-        let tmp =
-            h.templates
-                .dir()
-                .join(".staging")
-                .join(format!("snap-{}-{}.ext4", st.id, new_key()));
-        let (cg, key, pid, disk, tmp2) = (
-            h.cg.clone(),
-            st.key.clone(),
-            st.pid,
-            h.paths_for(&st.id).disk(),
-            tmp.clone(),
-        );
-        tokio::task::spawn_blocking(move || -> Result<(), String> {
-            if was_running {
-                cg.set_frozen(&key, true).map_err(|e| e.to_string())?;
-            }
-            let r = launch::sync_fs(pid)
-                .map_err(|e| e.to_string())
-                .and_then(|_| {
-                    crate::storage::clone_file(&disk, &tmp2)
-                        .map(|_| ())
-                        .map_err(|e| e.to_string())
-                });
-            if was_running {
-                cg.set_frozen(&key, false).map_err(|e| e.to_string())?;
-            }
-            r
-        })
-        .await
-        .map_err(task)?
-        .map_err(internal("snapshot"))?;
-        let store = h.templates.clone();
-        let (t, sid, tmp3) = (template.to_string(), st.id.clone(), tmp.clone());
-        let r = tokio::task::spawn_blocking(move || {
-            store.build(
-                &t,
-                &Source::Snapshot {
-                    sandbox_id: sid,
-                    disk: tmp3,
-                },
-                0,
-                &|_| {},
-            )
-        })
-        .await
-        .map_err(task)?;
-        let _ = std::fs::remove_file(&tmp);
-        Ok(r?)
+        cg: &Cgroups,
+        key: &str,
+        paths: &SandboxPaths,
+        netns: &Path,
+    ) -> Result<(i32, u64), String> {
+        launch::launch_prepared(&self.launch, cg, key, paths, netns).map_err(|e| e.to_string())
     }
 
-    async fn release(&self, st: &SandboxState) -> bool {
-        crate::runtime::process::kill_sandbox(&self.host.cg, st).await
-    }
-
-    fn readopt(&self, _st: &SandboxState) -> bool {
-        true
-    }
-
-    fn reap_leftovers(&self, _live: &[SandboxState]) {}
-
-    fn failure(&self, _st: &mut SandboxState) -> Option<String> {
-        None
-    }
-
-    async fn refill(&self) {
-        let h = &self.host;
-        h.refill_network().await;
-        if h.shutting_down() {
-            return;
-        }
-        let mut tmpls: Vec<String> = h.cfg.pools.disk_templates.clone();
-        tmpls.extend(h.cfg.pools.started.keys().cloned());
-        tmpls.sort();
-        tmpls.dedup();
-        for t in &tmpls {
-            h.refill_disks(t).await;
-        }
-        for (t, n) in h.cfg.pools.started.clone() {
-            let Ok((m, rootfs)) = h.templates.get(&t, None) else {
-                continue;
-            };
-            for p in self.started.stale(&t, &m.build) {
-                self.discard(&p).await;
-            }
-            self.started
-                .refill(h, &t, n as usize, || {
-                    self.prestart(&t, &m.build, &rootfs, m.rootfs.bytes)
-                })
-                .await;
-        }
-    }
-
-    fn pool_levels(&self) -> Vec<PoolLevel> {
-        self.started.levels(&self.host.cfg.pools.started)
-    }
-
-    async fn drain_pools(&self, template: Option<&str>, _live: &[SandboxState]) {
-        for p in self.started.drain(template) {
-            self.discard(&p).await;
-        }
-    }
-
-    async fn sample(
-        &self,
-        st: &SandboxState,
-    ) -> Result<cube_proto::nodev1::SandboxStatsResponse, NodeError> {
-        crate::stats::sample(&self.host, st)
-    }
-}
-
-impl Namespace {
-    /// Starts a sandbox that waits in the pool, warm, for its /init.
-    async fn prestart(
-        &self,
-        template: &str,
-        build: &str,
-        rootfs: &std::path::Path,
-        bytes: u64,
-    ) -> Result<SandboxState, NodeError> {
-        let h = &self.host;
-        let key = new_key();
-        let dirname = started::dirname(&key);
-        let paths = h.paths_for(&dirname);
-        let shape = crate::sandbox::Shape {
-            vcpus: h.cfg.sandbox.default_vcpus,
-            memory_mib: h.cfg.sandbox.default_memory_mib,
-            disk_mib: bytes.div_ceil(1 << 20),
-        };
-        let mut st = SandboxState {
-            id: dirname.clone(),
-            key: key.clone(),
-            phase: Phase::Creating,
-            template: template.into(),
-            build: build.into(),
-            shape,
-            pid: 0,
-            pid_start: 0,
-            endpoint: None,
-            metadata: Default::default(),
-            policy: Policy::default(),
-            created_at_ms: crate::template::now_ms(),
-            create_latency_us: 0,
-            from_pool: true,
-            host_addr: None,
-            runtime: RuntimeState::Namespace,
-        };
-        let r: Result<(), NodeError> = async {
-            std::fs::create_dir(&paths.dir).map_err(|e| NodeError::Internal(e.to_string()))?;
-            h.save(&dirname, &st)?;
-            h.prepare_disk(template, build, rootfs, &paths.disk(), 0)
-                .await?;
-            let ep = h.take_endpoint().await?;
-            st.endpoint = Some(ep.clone());
-            h.save(&dirname, &st)?;
-            let (cg, k, limits) = (h.cg.clone(), key.clone(), h.limits(shape, 0));
-            tokio::task::spawn_blocking(move || {
-                cg.create(&k)?;
-                cg.set_limits(&k, limits)
-            })
-            .await
-            .map_err(task)?
-            .map_err(|e| NodeError::Internal(format!("cgroup: {e}")))?;
-            let (pid, start) = self.launch(&st, &dirname, ep.netns_path.clone()).await.0?;
-            st.pid = pid;
-            st.pid_start = start;
-            st.phase = Phase::Pooled;
-            // Bound with the default (no internet) policy until a create claims it, so its
-            // agent can be health-checked at its host address.
-            st.host_addr = h
-                .net
-                .hook()
-                .apply_policy(&ep, &Policy::default())
-                .map_err(internal("network policy"))?;
-            h.save(&dirname, &st)?;
-            // Pooled only once warm (a code-interpreter template's Python worker is up), so the
-            // create that takes it finds nothing left to start.
-            h.agent(&ep, st.host_addr)
-                .wait_warm(Duration::from_millis(u64::from(
-                    h.cfg.sandbox.ready_timeout_ms,
-                )))
-                .await
-                .map_err(|e| NodeError::DeadlineExceeded(e.to_string()))?;
-            Ok(())
-        }
-        .await;
-        match r {
-            Ok(()) => Ok(st),
-            Err(e) => {
-                self.discard(&st).await;
-                Err(e)
-            }
-        }
+    fn sync_fs(&self, st: &SandboxState, _paths: &SandboxPaths) -> Result<(), String> {
+        launch::sync_fs(st.pid).map_err(|e| e.to_string())
     }
 }

@@ -1,0 +1,562 @@
+//! Sandboxes that are a process tree on the host: a reflinked disk, a cgroup with the shape's
+//! limits and a network namespace on cube-vs, with PID 1 started by a [`Launcher`]: Linux
+//! namespaces and seccomp (`namespace`) or a `runsc` sandbox (`gvisor`). Everything else is
+//! the same for both and lives here: cold starts with the disk, endpoint and cgroup built at
+//! once, the pre-started pool (`started.rs`), claiming a pooled sandbox, pause by freezing the
+//! cgroup, filesystem snapshots, release and refill.
+
+mod started;
+
+use super::host::{new_key, timed, Host, PoolLevel};
+use super::{CreateSpec, Created, Runtime, SnapshotKind};
+use crate::cgroup::Cgroups;
+use crate::error::{internal, task, NodeError};
+use crate::network::Policy;
+use crate::sandbox::{Phase, RuntimeState, SandboxPaths, SandboxState};
+use crate::template::Source;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How a container runtime starts and stops its sandboxes' PID 1. Blocking methods run off
+/// the async threads.
+pub trait Launcher: Send + Sync + 'static {
+    /// The runtime's name.
+    fn name(&self) -> &'static str;
+
+    /// The runtime part of a new sandbox's state.
+    fn new_state(&self) -> RuntimeState;
+
+    /// Starts PID 1 of the sandbox `key` whose disk, cgroup (limits set) and network namespace
+    /// exist; returns its host pid and start time. Blocking.
+    fn launch(
+        &self,
+        cg: &Cgroups,
+        key: &str,
+        paths: &SandboxPaths,
+        netns: &Path,
+    ) -> Result<(i32, u64), String>;
+
+    /// Flushes what the sandbox's processes wrote and the runtime still holds in memory to
+    /// the disk's filesystem; called while the sandbox runs, before it is frozen. Blocking.
+    fn flush(&self, _st: &SandboxState) -> Result<(), String> {
+        Ok(())
+    }
+
+    /// Flushes the sandbox's filesystem to its disk image (the sandbox is frozen). Blocking.
+    fn sync_fs(&self, st: &SandboxState, paths: &SandboxPaths) -> Result<(), String>;
+
+    /// Releases what the launcher holds once every process of the sandbox is gone. Blocking.
+    fn cleanup(&self, _st: &SandboxState, _paths: &SandboxPaths) {}
+
+    /// At restart: whether the launcher can take a live sandbox back.
+    fn readopt(&self, _st: &SandboxState) -> bool {
+        true
+    }
+
+    /// At restart: removes launcher leftovers no live sandbox refers to.
+    fn reap_leftovers(&self, _live: &[SandboxState]) {}
+}
+
+pub struct Container<L: Launcher> {
+    host: Arc<Host>,
+    launcher: Arc<L>,
+    started: started::StartedPool,
+}
+
+impl<L: Launcher> Container<L> {
+    pub fn new(host: Arc<Host>, launcher: L) -> Container<L> {
+        Container {
+            host,
+            launcher: Arc::new(launcher),
+            started: started::StartedPool::default(),
+        }
+    }
+
+    /// Starts PID 1 of a sandbox whose disk, cgroup and namespace exist.
+    async fn launch(
+        &self,
+        st: &SandboxState,
+        dirname: &str,
+        netns: std::path::PathBuf,
+    ) -> (Result<(i32, u64), NodeError>, Duration) {
+        let (launcher, cg, key, paths) = (
+            self.launcher.clone(),
+            self.host.cg.clone(),
+            st.key.clone(),
+            self.host.paths_for(dirname),
+        );
+        let t = Instant::now();
+        let r = tokio::task::spawn_blocking(move || launcher.launch(&cg, &key, &paths, &netns))
+            .await
+            .map_err(task)
+            .and_then(|r| r.map_err(|e| NodeError::Internal(format!("starting sandbox: {e}"))));
+        (r, t.elapsed())
+    }
+
+    /// Builds a sandbox from scratch: disk, namespace, cgroup, then PID 1 while the veth and
+    /// the switch binding are wired.
+    async fn cold_start(&self, spec: &CreateSpec, st: &mut SandboxState) -> Result<(), NodeError> {
+        let h = &self.host;
+        let id = st.id.clone();
+        let paths = h.paths_for(&id);
+        std::fs::create_dir(&paths.dir)
+            .map_err(|e| NodeError::Internal(format!("creating {}: {e}", paths.dir.display())))?;
+        h.save(&id, st)?;
+        // Disk clone, network endpoint and cgroup are independent: build them at once.
+        let disk_path = paths.disk();
+        let disk = timed(h.prepare_disk(
+            &st.template,
+            &st.build,
+            &spec.rootfs,
+            &disk_path,
+            st.shape.disk_mib,
+        ));
+        // A pooled endpoint when there is one; else only the namespace now, and the veth
+        // while the sandbox starts in it.
+        let endpoint = timed(async {
+            let pooled = h.pools.net.lock().ok().and_then(|mut v| v.pop());
+            match pooled {
+                Some(ep) => {
+                    h.wake.notify_one();
+                    Ok((ep, None))
+                }
+                None => {
+                    let ep = h.net.endpoint_for(&new_key());
+                    match h.net.create_netns_only(&ep).await {
+                        Ok(nsh) => Ok((ep, Some(nsh))),
+                        Err(e) => {
+                            h.net.destroy(&ep).await;
+                            Err(NodeError::Internal(format!("network namespace: {e}")))
+                        }
+                    }
+                }
+            }
+        });
+        let (cg, key, limits) = (h.cg.clone(), st.key.clone(), h.limits(st.shape, 0));
+        let cgroup = timed(async move {
+            tokio::task::spawn_blocking(move || {
+                cg.create(&key)?;
+                cg.set_limits(&key, limits)
+            })
+            .await
+            .map_err(task)
+            .and_then(|r| r.map_err(|e| NodeError::Internal(format!("cgroup: {e}"))))
+        });
+        let tp = Instant::now();
+        let ((disk_r, disk_t), (ep_r, ep_t), (cg_r, cg_t)) = tokio::join!(disk, endpoint, cgroup);
+        h.phase("disk", disk_t);
+        h.phase("endpoint", ep_t);
+        h.phase("cgroup", cg_t);
+        h.phase("prepare", tp.elapsed());
+        // Record the endpoint before failing on anything else, so cleanup releases it.
+        if let Ok((ep, _)) = ep_r.as_ref() {
+            st.endpoint = Some(ep.clone());
+        }
+        let (ep, nsh) = ep_r?;
+        disk_r?;
+        cg_r?;
+        h.save(&id, st)?;
+        let launch = self.launch(st, &id, ep.netns_path.clone());
+        // The veth and the switch binding need only the namespace: build them while the
+        // launcher runs (the agent listens on 0.0.0.0 and is reached only after this).
+        let wire = async {
+            let (wired, veth_t) = timed(async {
+                match nsh {
+                    Some(nsh) => h
+                        .net
+                        .wire_netns(ep, nsh)
+                        .await
+                        .map_err(|e| NodeError::Internal(format!("network endpoint: {e}"))),
+                    None => Ok(ep),
+                }
+            })
+            .await;
+            h.phase("veth", veth_t);
+            let tpol = Instant::now();
+            let r = wired.and_then(|ep| {
+                let addr = h
+                    .net
+                    .hook()
+                    .apply_policy(&ep, &st.policy)
+                    .map_err(internal("network policy"))?;
+                Ok((ep, addr))
+            });
+            h.phase("policy", tpol.elapsed());
+            r
+        };
+        let ((launched, launch_t), wired) = tokio::join!(launch, wire);
+        h.phase("launch", launch_t);
+        // Record the pid first: a network error must still kill the started sandbox.
+        let (pid, start) = launched?;
+        st.pid = pid;
+        st.pid_start = start;
+        match wired {
+            Ok((ep, addr)) => {
+                st.endpoint = Some(ep);
+                st.host_addr = addr;
+            }
+            Err(e) => {
+                let _ = h.save(&id, st);
+                return Err(e);
+            }
+        }
+        h.save(&id, st)?;
+        let th = Instant::now();
+        let ep = st
+            .endpoint
+            .as_ref()
+            .ok_or_else(|| NodeError::Internal("sandbox has no network endpoint".into()))?;
+        h.agent(ep, st.host_addr)
+            .wait_healthy(spec.ready_timeout)
+            .await
+            .map_err(|e| {
+                let log = std::fs::read_to_string(paths.log()).unwrap_or_default();
+                let tail: Vec<&str> = log.lines().rev().take(5).collect();
+                let tail: Vec<&str> = tail.into_iter().rev().collect();
+                NodeError::DeadlineExceeded(format!(
+                    "sandbox {id}: {e}; agent log: {}",
+                    tail.join(" | ")
+                ))
+            })?;
+        h.phase("healthy", th.elapsed());
+        Ok(())
+    }
+
+    /// Takes over a pre-started sandbox: its directory, processes and endpoint become `st`'s,
+    /// with `st`'s shape and policy.
+    fn adopt_pooled(&self, p: SandboxState, st: &mut SandboxState) -> Result<(), NodeError> {
+        let h = &self.host;
+        let from = h.paths_for(&started::dirname(&p.key)).dir;
+        let to = h.paths_for(&st.id).dir;
+        std::fs::rename(&from, &to)
+            .map_err(|e| NodeError::Internal(format!("claiming pooled sandbox: {e}")))?;
+        st.key = p.key.clone();
+        st.pid = p.pid;
+        st.pid_start = p.pid_start;
+        st.endpoint = p.endpoint.clone();
+        st.host_addr = p.host_addr;
+        h.save(&st.id, st)?;
+        h.cg.set_limits(&st.key, h.limits(st.shape, 0))
+            .map_err(|e| NodeError::Internal(e.to_string()))?;
+        let ep = st
+            .endpoint
+            .clone()
+            .ok_or_else(|| NodeError::Internal("sandbox has no network endpoint".into()))?;
+        let addr = h
+            .net
+            .hook()
+            .apply_policy(&ep, &st.policy)
+            .map_err(internal("network policy"))?;
+        if addr != st.host_addr {
+            st.host_addr = addr;
+            h.save(&st.id, st)?;
+        }
+        Ok(())
+    }
+
+    /// Releases a sandbox that never became the node's (a pool entry).
+    async fn discard(&self, st: &SandboxState) {
+        let reusable = self.release(st).await;
+        self.host
+            .release_rest(&started::dirname(&st.key), st, reusable)
+            .await;
+    }
+
+    /// Freezes or thaws the sandbox's cgroup.
+    async fn freeze(&self, st: &SandboxState, freeze: bool) -> Result<(), NodeError> {
+        let (cg, key) = (self.host.cg.clone(), st.key.clone());
+        tokio::task::spawn_blocking(move || cg.set_frozen(&key, freeze))
+            .await
+            .map_err(task)?
+            .map_err(|e| NodeError::Internal(e.to_string()))
+    }
+}
+
+#[async_trait::async_trait]
+impl<L: Launcher> Runtime for Container<L> {
+    fn name(&self) -> &'static str {
+        self.launcher.name()
+    }
+
+    fn snapshot_kind(&self) -> SnapshotKind {
+        SnapshotKind::Filesystem
+    }
+
+    fn new_state(&self) -> RuntimeState {
+        self.launcher.new_state()
+    }
+
+    async fn create(&self, spec: &CreateSpec, st: &mut SandboxState) -> Result<Created, NodeError> {
+        let h = &self.host;
+        let t0 = Instant::now();
+        // Pool entries have the template image's disk size: a larger disk starts cold.
+        let pooled = if st.shape.disk_mib
+            == h.templates
+                .get(&st.template, Some(&st.build))?
+                .0
+                .rootfs
+                .bytes
+                .div_ceil(1 << 20)
+        {
+            self.started.claim(h, &st.template, &st.build).await
+        } else {
+            None
+        };
+        let from_pool = pooled.is_some();
+        match pooled {
+            Some(p) => self.adopt_pooled(p, st)?,
+            None => self.cold_start(spec, st).await?,
+        }
+        let ep = st
+            .endpoint
+            .clone()
+            .ok_or_else(|| NodeError::Internal("sandbox has no network endpoint".into()))?;
+        let init = crate::agent::InitRequest {
+            env_vars: spec.init.env_vars.clone(),
+            access_token: spec.init.access_token.clone(),
+            timestamp: crate::agent::rfc3339_now(),
+            default_user: spec.init.default_user.clone(),
+            default_workdir: spec.init.default_workdir.clone(),
+        };
+        let ti = Instant::now();
+        h.agent(&ep, st.host_addr)
+            .init(&init)
+            .await
+            .map_err(|e| NodeError::Internal(format!("sandbox {}: /init: {e}", st.id)))?;
+        if !from_pool {
+            h.phase("init", ti.elapsed());
+            h.phase("total", t0.elapsed());
+        }
+        Ok(Created { from_pool })
+    }
+
+    async fn pause(&self, st: &mut SandboxState) -> Result<(), NodeError> {
+        self.freeze(st, true).await
+    }
+
+    async fn resume(&self, st: &mut SandboxState) -> Result<(), NodeError> {
+        self.freeze(st, false).await
+    }
+
+    /// The sandbox is frozen while its filesystem is flushed and its disk cloned, then put
+    /// back as it was.
+    async fn snapshot(
+        &self,
+        st: &SandboxState,
+        template: &str,
+    ) -> Result<(crate::template::Manifest, bool), NodeError> {
+        let h = &self.host;
+        let was_running = st.phase == Phase::Running;
+        let tmp =
+            h.templates
+                .dir()
+                .join(".staging")
+                .join(format!("snap-{}-{}.ext4", st.id, new_key()));
+        let (cg, key, disk, tmp2, launcher, paths, st2) = (
+            h.cg.clone(),
+            st.key.clone(),
+            h.paths_for(&st.id).disk(),
+            tmp.clone(),
+            self.launcher.clone(),
+            h.paths_for(&st.id),
+            st.clone(),
+        );
+        tokio::task::spawn_blocking(move || -> Result<(), String> {
+            // What the runtime caches is written out while the sandbox runs (a paused one is
+            // thawed for it), then the sandbox is frozen while its disk is synced and cloned.
+            if !was_running {
+                cg.set_frozen(&key, false).map_err(|e| e.to_string())?;
+            }
+            let r = launcher.flush(&st2).and_then(|_| {
+                cg.set_frozen(&key, true).map_err(|e| e.to_string())?;
+                launcher.sync_fs(&st2, &paths).and_then(|_| {
+                    crate::storage::clone_file(&disk, &tmp2)
+                        .map(|_| ())
+                        .map_err(|e| e.to_string())
+                })
+            });
+            if was_running {
+                cg.set_frozen(&key, false).map_err(|e| e.to_string())?;
+            } else {
+                cg.set_frozen(&key, true).map_err(|e| e.to_string())?;
+            }
+            r
+        })
+        .await
+        .map_err(task)?
+        .map_err(internal("snapshot"))?;
+        let store = h.templates.clone();
+        let (t, sid, tmp3) = (template.to_string(), st.id.clone(), tmp.clone());
+        let r = tokio::task::spawn_blocking(move || {
+            store.build(
+                &t,
+                &Source::Snapshot {
+                    sandbox_id: sid,
+                    disk: tmp3,
+                },
+                0,
+                &|_| {},
+            )
+        })
+        .await
+        .map_err(task)?;
+        let _ = std::fs::remove_file(&tmp);
+        Ok(r?)
+    }
+
+    async fn release(&self, st: &SandboxState) -> bool {
+        let killed = crate::runtime::process::kill_sandbox(&self.host.cg, st).await;
+        let (launcher, st2, paths) = (
+            self.launcher.clone(),
+            st.clone(),
+            self.host.paths_for(&st.id),
+        );
+        if let Err(e) = tokio::task::spawn_blocking(move || launcher.cleanup(&st2, &paths)).await {
+            tracing::error!(id = %st.id, error = %e, "launcher cleanup task");
+        }
+        killed
+    }
+
+    fn readopt(&self, st: &SandboxState) -> bool {
+        self.launcher.readopt(st)
+    }
+
+    fn reap_leftovers(&self, live: &[SandboxState]) {
+        self.launcher.reap_leftovers(live)
+    }
+
+    fn failure(&self, _st: &mut SandboxState) -> Option<String> {
+        None
+    }
+
+    async fn refill(&self) {
+        let h = &self.host;
+        h.refill_network().await;
+        if h.shutting_down() {
+            return;
+        }
+        let mut tmpls: Vec<String> = h.cfg.pools.disk_templates.clone();
+        tmpls.extend(h.cfg.pools.started.keys().cloned());
+        tmpls.sort();
+        tmpls.dedup();
+        for t in &tmpls {
+            h.refill_disks(t).await;
+        }
+        for (t, n) in h.cfg.pools.started.clone() {
+            let Ok((m, rootfs)) = h.templates.get(&t, None) else {
+                continue;
+            };
+            for p in self.started.stale(&t, &m.build) {
+                self.discard(&p).await;
+            }
+            self.started
+                .refill(h, &t, n as usize, || {
+                    self.prestart(&t, &m.build, &rootfs, m.rootfs.bytes)
+                })
+                .await;
+        }
+    }
+
+    fn pool_levels(&self) -> Vec<PoolLevel> {
+        self.started.levels(&self.host.cfg.pools.started)
+    }
+
+    async fn drain_pools(&self, template: Option<&str>, _live: &[SandboxState]) {
+        for p in self.started.drain(template) {
+            self.discard(&p).await;
+        }
+    }
+
+    async fn sample(
+        &self,
+        st: &SandboxState,
+    ) -> Result<cube_proto::nodev1::SandboxStatsResponse, NodeError> {
+        crate::stats::sample(&self.host, st)
+    }
+}
+
+impl<L: Launcher> Container<L> {
+    /// Starts a sandbox that waits in the pool, warm, for its /init.
+    async fn prestart(
+        &self,
+        template: &str,
+        build: &str,
+        rootfs: &std::path::Path,
+        bytes: u64,
+    ) -> Result<SandboxState, NodeError> {
+        let h = &self.host;
+        let key = new_key();
+        let dirname = started::dirname(&key);
+        let paths = h.paths_for(&dirname);
+        let shape = crate::sandbox::Shape {
+            vcpus: h.cfg.sandbox.default_vcpus,
+            memory_mib: h.cfg.sandbox.default_memory_mib,
+            disk_mib: bytes.div_ceil(1 << 20),
+        };
+        let mut st = SandboxState {
+            id: dirname.clone(),
+            key: key.clone(),
+            phase: Phase::Creating,
+            template: template.into(),
+            build: build.into(),
+            shape,
+            pid: 0,
+            pid_start: 0,
+            endpoint: None,
+            metadata: Default::default(),
+            policy: Policy::default(),
+            created_at_ms: crate::template::now_ms(),
+            create_latency_us: 0,
+            from_pool: true,
+            host_addr: None,
+            runtime: self.launcher.new_state(),
+        };
+        let r: Result<(), NodeError> = async {
+            std::fs::create_dir(&paths.dir).map_err(|e| NodeError::Internal(e.to_string()))?;
+            h.save(&dirname, &st)?;
+            h.prepare_disk(template, build, rootfs, &paths.disk(), 0)
+                .await?;
+            let ep = h.take_endpoint().await?;
+            st.endpoint = Some(ep.clone());
+            h.save(&dirname, &st)?;
+            let (cg, k, limits) = (h.cg.clone(), key.clone(), h.limits(shape, 0));
+            tokio::task::spawn_blocking(move || {
+                cg.create(&k)?;
+                cg.set_limits(&k, limits)
+            })
+            .await
+            .map_err(task)?
+            .map_err(|e| NodeError::Internal(format!("cgroup: {e}")))?;
+            let (pid, start) = self.launch(&st, &dirname, ep.netns_path.clone()).await.0?;
+            st.pid = pid;
+            st.pid_start = start;
+            st.phase = Phase::Pooled;
+            // Bound with the default (no internet) policy until a create claims it, so its
+            // agent can be health-checked at its host address.
+            st.host_addr = h
+                .net
+                .hook()
+                .apply_policy(&ep, &Policy::default())
+                .map_err(internal("network policy"))?;
+            h.save(&dirname, &st)?;
+            // Pooled only once warm (a code-interpreter template's Python worker is up), so the
+            // create that takes it finds nothing left to start.
+            h.agent(&ep, st.host_addr)
+                .wait_warm(Duration::from_millis(u64::from(
+                    h.cfg.sandbox.ready_timeout_ms,
+                )))
+                .await
+                .map_err(|e| NodeError::DeadlineExceeded(e.to_string()))?;
+            Ok(())
+        }
+        .await;
+        match r {
+            Ok(()) => Ok(st),
+            Err(e) => {
+                self.discard(&st).await;
+                Err(e)
+            }
+        }
+    }
+}

@@ -1,0 +1,295 @@
+//! The `gvisor` runtime: each sandbox is a `runsc` sandbox, so its system calls meet gVisor's
+//! user-space kernel (the Sentry), not the host's. Everything but PID 1 is the container
+//! runtime's (`super::container`): the reflinked disk (mounted on the host here, read-write,
+//! `nosuid,nodev`, and given to runsc as the root), the cgroup with the shape's limits (runsc
+//! and its processes run in it; `--ignore-cgroups`), the sandbox's network namespace on cube-vs
+//! (runsc runs inside it with `--network=host`: gVisor's own netstack refuses to start on this
+//! Debian build, gVisor issue #10704), the pre-started pool and freezing for pause.
+//!
+//! Pause keeps memory in RAM (the cgroup is frozen); snapshots keep the filesystem only:
+//! `runsc checkpoint` cannot save host-network sockets, which every sandbox has (its agent).
+
+pub mod bundle;
+pub mod init;
+
+use super::container::Launcher;
+use crate::cgroup::Cgroups;
+use crate::config::Config;
+use crate::sandbox::{RuntimeState, SandboxPaths, SandboxState, GVISOR};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+/// Starts PID 1 with `cubelet gvisor-init` (`init.rs`) and `runsc run`.
+pub struct Gvisor {
+    runsc: PathBuf,
+    /// Global runsc flags.
+    flags: Vec<String>,
+    /// Where each sandbox's bundle and root mount live: `<dir>/<key>/{config.json,root}`.
+    dir: PathBuf,
+    self_exe: PathBuf,
+    agent_host: PathBuf,
+    agent_args: Vec<String>,
+    hostname: String,
+    tmp_size_mib: u64,
+    run_size_mib: u64,
+}
+
+/// How long one runsc command may take.
+const RUNSC_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Where the node's agent appears in every sandbox.
+const AGENT_PATH: &str = "/run/cube-agent";
+
+/// Whether `runsc` can run here, and if not, why.
+pub fn can_run(runsc: &Path) -> Result<(), String> {
+    let out = Command::new(runsc)
+        .arg("--version")
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("{}: {e}", runsc.display()))?;
+    let v = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() || !v.starts_with("runsc version") {
+        return Err(format!("{} --version failed", runsc.display()));
+    }
+    Ok(())
+}
+
+impl Gvisor {
+    pub fn new(cfg: &Config) -> anyhow::Result<Gvisor> {
+        use anyhow::Context;
+        can_run(&cfg.gvisor.runsc).map_err(|e| anyhow::anyhow!(e))?;
+        let dir = cfg.run_dir.join("gvisor");
+        std::fs::create_dir_all(dir.join("state"))
+            .with_context(|| format!("creating {}", dir.display()))?;
+        let mut flags = vec![
+            format!("--root={}", dir.join("state").display()),
+            format!("--platform={}", cfg.gvisor.platform),
+            "--network=host".into(),
+            "--ignore-cgroups".into(),
+            // Writes go to the sandbox's disk, not to an overlay in memory or in the image.
+            "--overlay2=none".into(),
+        ];
+        flags.extend(cfg.gvisor.extra_args.iter().cloned());
+        let mut agent_args = vec![
+            "--addr".to_string(),
+            format!("0.0.0.0:{}", cfg.sandbox.agent_port),
+            "--init".into(),
+            "auto".into(),
+        ];
+        agent_args.extend(cfg.sandbox.agent_args.iter().cloned());
+        Ok(Gvisor {
+            runsc: cfg.gvisor.runsc.clone(),
+            flags,
+            dir,
+            self_exe: std::env::current_exe().context("locating own executable")?,
+            agent_host: cfg
+                .agent_binary
+                .canonicalize()
+                .with_context(|| format!("agent binary {}", cfg.agent_binary.display()))?,
+            agent_args,
+            hostname: cfg.sandbox.hostname.clone(),
+            tmp_size_mib: cfg.sandbox.tmp_size_mib,
+            run_size_mib: cfg.sandbox.run_size_mib,
+        })
+    }
+
+    fn bundle_dir(&self, key: &str) -> PathBuf {
+        self.dir.join(key)
+    }
+
+    /// `runsc <flags> <args>`, killed after [`RUNSC_TIMEOUT`] (a frozen sandbox does not
+    /// answer, and a blocking thread must not wait on it forever).
+    fn runsc(&self, args: &[&str]) -> Result<String, String> {
+        use std::io::Read;
+        let what = || format!("runsc {}", args.join(" "));
+        let mut child = Command::new(&self.runsc)
+            .args(&self.flags)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("{}: {e}", what()))?;
+        let deadline = std::time::Instant::now() + RUNSC_TIMEOUT;
+        let status = loop {
+            match child.try_wait() {
+                Ok(Some(s)) => break s,
+                Ok(None) if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(std::time::Duration::from_millis(2))
+                }
+                Ok(None) => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    return Err(format!("{}: no answer in {RUNSC_TIMEOUT:?}", what()));
+                }
+                Err(e) => return Err(format!("{}: {e}", what())),
+            }
+        };
+        let (mut out, mut err) = (String::new(), String::new());
+        if let Some(mut o) = child.stdout.take() {
+            let _ = o.read_to_string(&mut out);
+        }
+        if let Some(mut e) = child.stderr.take() {
+            let _ = e.read_to_string(&mut err);
+        }
+        if !status.success() {
+            return Err(format!("{}: {}", what(), err.trim()));
+        }
+        Ok(out)
+    }
+
+    /// Mounts the sandbox's disk at its bundle's root.
+    fn mount_root(&self, disk: &Path, root: &Path) -> Result<(), String> {
+        std::fs::create_dir_all(root).map_err(|e| format!("mkdir {}: {e}", root.display()))?;
+        let out = Command::new("mount")
+            .args(["-o", "loop,nosuid,nodev,noatime"])
+            .arg(disk)
+            .arg(root)
+            .output()
+            .map_err(|e| format!("mount: {e}"))?;
+        if !out.status.success() {
+            return Err(format!(
+                "mount {}: {}",
+                disk.display(),
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        Ok(())
+    }
+
+    /// Deletes runsc's record of a container and the bundle with its root mount.
+    fn remove(&self, key: &str) {
+        if let Err(e) = self.runsc(&["delete", "--force", key]) {
+            if !e.contains("does not exist") && !e.contains("not found") {
+                tracing::warn!(key, error = %e, "runsc delete");
+            }
+        }
+        let b = self.bundle_dir(key);
+        let root = b.join("root");
+        if let Ok(c) = std::ffi::CString::new(root.as_os_str().as_encoded_bytes()) {
+            // SAFETY: umount2 on a path we own; the loop device goes with the last reference.
+            unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+        }
+        let _ = std::fs::remove_dir(&root);
+        let _ = std::fs::remove_dir_all(&b);
+    }
+}
+
+impl Launcher for Gvisor {
+    fn name(&self) -> &'static str {
+        GVISOR
+    }
+
+    fn new_state(&self) -> RuntimeState {
+        RuntimeState::Gvisor
+    }
+
+    fn launch(
+        &self,
+        cg: &Cgroups,
+        key: &str,
+        paths: &SandboxPaths,
+        netns: &Path,
+    ) -> Result<(i32, u64), String> {
+        let b = self.bundle_dir(key);
+        let root = b.join("root");
+        self.mount_root(&paths.disk(), &root)?;
+        let r = (|| {
+            let config = bundle::Bundle {
+                root: &root,
+                hostname: &self.hostname,
+                agent_host: &self.agent_host,
+                agent_path: AGENT_PATH,
+                agent_args: &self.agent_args,
+                tmp_size_mib: self.tmp_size_mib,
+                run_size_mib: self.run_size_mib,
+            }
+            .config()?;
+            std::fs::write(b.join("config.json"), config.to_string())
+                .map_err(|e| format!("writing the bundle: {e}"))?;
+            let spec = init::GvisorSpec {
+                runsc: self.runsc.clone(),
+                flags: self.flags.clone(),
+                id: key.to_string(),
+                bundle: b.clone(),
+                netns: netns.to_path_buf(),
+                cgroup_procs: cg.procs_files(key),
+                log: paths.log(),
+            };
+            let json = serde_json::to_string(&spec).map_err(|e| e.to_string())?;
+            let out = Command::new(&self.self_exe)
+                .arg("gvisor-init")
+                .env_clear()
+                .env(init::SPEC_ENV, json)
+                .stdin(Stdio::null())
+                .output()
+                .map_err(|e| format!("spawn {}: {e}", self.self_exe.display()))?;
+            if !out.status.success() {
+                return Err(String::from_utf8_lossy(&out.stderr)
+                    .trim()
+                    .trim_start_matches("gvisor-init: ")
+                    .to_string());
+            }
+            let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+                .map_err(|e| format!("bad launcher output: {e}"))?;
+            let pid = v["pid"].as_i64().unwrap_or(0) as i32;
+            let start = crate::runtime::process::proc_start_time(pid)
+                .ok_or_else(|| format!("runsc sandbox {pid} vanished at start"))?;
+            Ok((pid, start))
+        })();
+        if r.is_err() {
+            self.remove(key);
+        }
+        r
+    }
+
+    /// gVisor keeps file data in its own page cache: `sync` inside writes it to the disk.
+    fn flush(&self, st: &SandboxState) -> Result<(), String> {
+        self.runsc(&["exec", &st.key, "sync"]).map(|_| ())
+    }
+
+    fn sync_fs(&self, st: &SandboxState, _paths: &SandboxPaths) -> Result<(), String> {
+        let root = self.bundle_dir(&st.key).join("root");
+        let f = std::fs::File::open(&root).map_err(|e| format!("{}: {e}", root.display()))?;
+        use std::os::fd::AsRawFd;
+        // SAFETY: syncfs on an fd we own.
+        if unsafe { libc::syncfs(f.as_raw_fd()) } != 0 {
+            return Err(format!("syncfs: {}", std::io::Error::last_os_error()));
+        }
+        Ok(())
+    }
+
+    fn cleanup(&self, st: &SandboxState, _paths: &SandboxPaths) {
+        if !st.key.is_empty() {
+            self.remove(&st.key);
+        }
+    }
+
+    /// Its bundle's root is still mounted (the node checked the sandbox process). Not asked
+    /// of runsc: `runsc state` talks to the sandbox, and a paused one is frozen.
+    fn readopt(&self, st: &SandboxState) -> bool {
+        let root = self.bundle_dir(&st.key).join("root");
+        let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+        let want = root.to_string_lossy();
+        let mounted = mounts
+            .lines()
+            .any(|l| l.split(' ').nth(4) == Some(want.as_ref()));
+        if !mounted {
+            tracing::warn!(id = %st.id, root = %root.display(), "gVisor sandbox without its root mount");
+        }
+        mounted
+    }
+
+    fn reap_leftovers(&self, live: &[SandboxState]) {
+        let Ok(rd) = std::fs::read_dir(&self.dir) else {
+            return;
+        };
+        for e in rd.flatten() {
+            let key = e.file_name().to_string_lossy().to_string();
+            if key != "state" && !live.iter().any(|s| s.key == key) {
+                tracing::warn!(key, "reaping a gVisor sandbox nothing refers to");
+                self.remove(&key);
+            }
+        }
+    }
+}

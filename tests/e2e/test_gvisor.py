@@ -1,0 +1,60 @@
+"""The official e2b SDK against a Cube node on the gvisor runtime: every sandbox is a runsc
+sandbox (gVisor's user-space kernel, systrap platform) over its own reflinked disk, in its own
+network namespace on cube-vs, taken from the pre-started pool."""
+
+import json
+import urllib.request
+
+from e2b import Sandbox
+
+from conftest import TEMPLATE
+
+
+def detail(cube, sid):
+    req = urllib.request.Request(f"{cube.api_url}/sandboxes/{sid}")
+    req.add_header("X-API-KEY", cube.api_key)
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def test_gvisor_sandbox_lifecycle_through_the_sdk(cube_gvisor):
+    host_kernel = open("/proc/version").read().strip()
+    a = Sandbox.create(TEMPLATE, envs={"CUBE_WHO": "first"}, timeout=300)
+    try:
+        d = detail(cube_gvisor, a.sandbox_id)
+        assert (d["runtime"], d["isolation"]) == ("gvisor", "user-space-kernel"), d
+        # gVisor's kernel answers, not the host's.
+        r = a.commands.run("cat /proc/version; dmesg | head -1; echo $CUBE_WHO",
+                           user="root")
+        assert len(r.stdout.splitlines()) == 3, (r.stdout, r.stderr)
+        release, first_line, who = r.stdout.splitlines()
+        assert release != host_kernel, r.stdout
+        assert "gVisor" in first_line, r.stdout
+        assert who == "first"
+        # Users: the default one and root.
+        assert a.commands.run("id -un").stdout == "user\n"
+        assert a.commands.run("id -u", user="root").stdout == "0\n"
+        # Files through envd, and a background process.
+        a.files.write("/home/user/note.txt", "kept")
+        assert a.files.read("/home/user/note.txt") == "kept"
+        a.commands.run("sleep 600", background=True)
+        # Pause freezes it where it is; connect thaws it with its processes.
+        a.pause()
+        assert Sandbox.get_info(a.sandbox_id).state.value == "paused"
+        a2 = Sandbox.connect(a.sandbox_id)
+        assert "sleep" in a2.commands.run("cat /proc/[0-9]*/comm").stdout.split()
+        assert a2.files.read("/home/user/note.txt") == "kept"
+        # A snapshot keeps the filesystem (what gVisor had cached is written out first).
+        a2.files.write("/home/user/late.txt", "written just before the snapshot")
+        snap = a2.create_snapshot()
+        try:
+            f = Sandbox.create(snap.snapshot_id, timeout=300)
+            try:
+                assert f.files.read("/home/user/late.txt") == "written just before the snapshot"
+                assert detail(cube_gvisor, f.sandbox_id)["runtime"] == "gvisor"
+            finally:
+                f.kill()
+        finally:
+            Sandbox.delete_snapshot(snap.snapshot_id)
+    finally:
+        a.kill()
