@@ -58,6 +58,29 @@ pub trait Launcher: Send + Sync + 'static {
     fn reap_leftovers(&self, _live: &[SandboxState]) {}
 }
 
+/// Where the node's agent appears in every container sandbox: bind-mounted read-only on its
+/// own `/run` (one host page cache for all sandboxes; no symlink in an image can redirect it).
+pub const AGENT_PATH: &str = "/run/cube-agent";
+
+/// The node's agent binary and the command line it runs with as a sandbox's PID 1.
+pub fn agent_command(
+    cfg: &crate::config::Config,
+) -> anyhow::Result<(std::path::PathBuf, Vec<String>)> {
+    use anyhow::Context;
+    let host = cfg
+        .agent_binary
+        .canonicalize()
+        .with_context(|| format!("agent binary {}", cfg.agent_binary.display()))?;
+    let mut args = vec![
+        "--addr".to_string(),
+        format!("0.0.0.0:{}", cfg.sandbox.agent_port),
+        "--init".into(),
+        "auto".into(),
+    ];
+    args.extend(cfg.sandbox.agent_args.iter().cloned());
+    Ok((host, args))
+}
+
 pub struct Container<L: Launcher> {
     host: Arc<Host>,
     launcher: Arc<L>,

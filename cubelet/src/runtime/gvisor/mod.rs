@@ -12,7 +12,7 @@
 pub mod bundle;
 pub mod init;
 
-use super::container::Launcher;
+use super::container::{Launcher, AGENT_PATH};
 use crate::cgroup::Cgroups;
 use crate::config::Config;
 use crate::sandbox::{RuntimeState, SandboxPaths, SandboxState, GVISOR};
@@ -36,9 +36,6 @@ pub struct Gvisor {
 
 /// How long one runsc command may take.
 const RUNSC_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
-
-/// Where the node's agent appears in every sandbox.
-const AGENT_PATH: &str = "/run/cube-agent";
 
 /// Whether `runsc` can run here, and if not, why.
 pub fn can_run(runsc: &Path) -> Result<(), String> {
@@ -70,22 +67,13 @@ impl Gvisor {
             "--overlay2=none".into(),
         ];
         flags.extend(cfg.gvisor.extra_args.iter().cloned());
-        let mut agent_args = vec![
-            "--addr".to_string(),
-            format!("0.0.0.0:{}", cfg.sandbox.agent_port),
-            "--init".into(),
-            "auto".into(),
-        ];
-        agent_args.extend(cfg.sandbox.agent_args.iter().cloned());
+        let (agent_host, agent_args) = super::container::agent_command(cfg)?;
         Ok(Gvisor {
             runsc: cfg.gvisor.runsc.clone(),
             flags,
             dir,
             self_exe: std::env::current_exe().context("locating own executable")?,
-            agent_host: cfg
-                .agent_binary
-                .canonicalize()
-                .with_context(|| format!("agent binary {}", cfg.agent_binary.display()))?,
+            agent_host,
             agent_args,
             hostname: cfg.sandbox.hostname.clone(),
             tmp_size_mib: cfg.sandbox.tmp_size_mib,

@@ -33,13 +33,7 @@ impl Namespace {
         // Sandbox inits are double-forked: become their reaper so they do not linger as zombies.
         // SAFETY: prctl with integer arguments.
         unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
-        let mut agent_args = vec![
-            "--addr".to_string(),
-            format!("0.0.0.0:{}", cfg.sandbox.agent_port),
-            "--init".into(),
-            "auto".into(),
-        ];
-        agent_args.extend(cfg.sandbox.agent_args.iter().cloned());
+        let (agent_host, agent_args) = super::container::agent_command(cfg)?;
         if cfg.sandbox.user_namespace {
             // Reserved where other tools look, so no user or other range ever overlaps it.
             for (sub, acc) in [
@@ -66,13 +60,8 @@ impl Namespace {
         }
         let launch = LaunchSettings {
             self_exe: std::env::current_exe().context("locating own executable")?,
-            // The node's agent, bind-mounted on the sandbox's /run (shared page cache).
-            agent_path: "/run/cube-agent".into(),
-            agent_host: Some(
-                cfg.agent_binary
-                    .canonicalize()
-                    .with_context(|| format!("agent binary {}", cfg.agent_binary.display()))?,
-            ),
+            agent_path: super::container::AGENT_PATH.into(),
+            agent_host: Some(agent_host),
             agent_args,
             hostname: cfg.sandbox.hostname.clone(),
             seccomp: cfg.sandbox.seccomp,
