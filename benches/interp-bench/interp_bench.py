@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """interp-bench: `run_code("1+1")` latency on a fresh sandbox, with the real e2b-code-interpreter
-SDK against a real single-host Cube (namespace runtime, template code-interpreter-v1).
+SDK against a real single-host Cube (namespace runtime, or --runtime gvisor|microvm; template
+code-interpreter-v1).
 
 Target (issue 10): the first run_code("1+1") after Sandbox.create() returns, p50 <= 30 ms.
 
@@ -89,7 +90,8 @@ def agent_only(args):
 
 def sdk_stack(args):
     """The real SDK against the real stack: fresh sandbox -> first run_code("1+1")."""
-    with stack.cube_stack(tag="ib", log=lambda m: print(m, file=sys.stderr)) as cube:
+    tag = "ib" if args.runtime == "namespace" else f"ib{args.runtime[:2]}"
+    with stack.cube_stack(tag=tag, log=lambda m: print(m, file=sys.stderr), runtime=args.runtime) as cube:
         from e2b_code_interpreter import Sandbox
 
         # One warm-up sandbox: first connections, page cache of the template image.
@@ -120,6 +122,7 @@ def main():
     ap.add_argument("--iterations", type=int, default=20)
     ap.add_argument("--out", default=None)
     ap.add_argument("--target-ms", type=float, default=30.0)
+    ap.add_argument("--runtime", default="namespace", help="the node's runtime: namespace, gvisor or microvm")
     ap.add_argument("--agent-only", action="store_true",
                     help="measure the agent alone on loopback (no root, no stack, no SDK)")
     args = ap.parse_args()
@@ -136,7 +139,7 @@ def main():
         for k, v in rows.items()
     }
     ok = summary[key]["p50"] <= args.target_ms
-    mode = "agent alone on loopback" if args.agent_only else "fresh sandboxes, namespace runtime, e2b SDK"
+    mode = "agent alone on loopback" if args.agent_only else f"fresh sandboxes, {args.runtime} runtime, e2b SDK"
     print(f"\n## interp-bench ({args.iterations} iterations, {mode}; load average {load:.1f})\n")
     print("| metric | p50 ms | p90 ms | min ms | max ms |")
     print("|---|---:|---:|---:|---:|")
@@ -149,6 +152,7 @@ def main():
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "interp-bench.json"), "w") as f:
         json.dump({"bench": "interp-bench", "mode": "agent-only" if args.agent_only else "sdk-stack",
+                   "runtime": None if args.agent_only else args.runtime,
                    "load_average": load, "iterations": args.iterations, "summary": summary,
                    "samples": rows, "target_ms": args.target_ms, "pass": ok,
                    "template_build_s": build_s, "unix_time": int(time.time())}, f, indent=2)

@@ -161,60 +161,37 @@ def bench_edge(Sandbox, template, sandbox_url, n, uncached_url=None):
     return out
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--template", default=os.environ.get("CUBE_BENCH_TEMPLATE", "base"))
-    ap.add_argument("--creates", type=int, default=60, help="samples at concurrency 1")
-    ap.add_argument("--throughput-creates", type=int, default=160)
-    ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--list-sandboxes", type=int, default=1000, help="0 skips the list benchmark")
-    ap.add_argument("--list-requests", type=int, default=200)
-    ap.add_argument("--edge-requests", type=int, default=500)
-    ap.add_argument("--only", default="", help="comma list of: create,create_run,throughput,list,edge")
-    ap.add_argument("--local-stack", action="store_true", help="start a private stack (tests/e2e fixture)")
-    ap.add_argument("--edge-compare", action="store_true",
-                    help="with --local-stack: also time the edge with its sandbox cache off")
-    ap.add_argument("--out", default="")
-    a = ap.parse_args()
-
-    stack = None
-    if a.local_stack:
-        sys.path.insert(0, os.path.join(REPO, "tests", "e2e"))
-        os.environ.setdefault("CUBE_E2E_MAX_SANDBOXES", str(max(a.list_sandboxes, a.throughput_creates) + 16))
-        import conftest  # noqa: E402
-        stack = conftest.cube.__wrapped__()
-        cube = next(stack)
-        a.template = conftest.TEMPLATE
-    for v in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY"):
-        if not os.environ.get(v):
-            sys.exit(f"{v} is not set (run deploy/dev-up.sh and export what it prints, or --local-stack)")
-    from e2b import Sandbox  # after the env is set: the SDK reads it per call
-    import e2b
-
+def measure(a, Sandbox, cube, stack):
+    """Every selected measurement against the stack the E2B_* variables point at."""
     only = set(filter(None, a.only.split(",")))
     want = lambda k: not only or k in only  # noqa: E731
     api_url, key = os.environ["E2B_API_URL"], os.environ["E2B_API_KEY"]
-    res = {"sdk": f"e2b {e2b.__version__}" if hasattr(e2b, "__version__") else "e2b", "template": a.template,
-           "api_url": api_url, "unix_time": int(time.time()), "results": {}}
-    R = res["results"]
+    R = {}
+    # Warm-up (connections, template cache); its detail says which runtime and boundary it got.
+    s = Sandbox.create(a.template, timeout=30)
     try:
-        Sandbox.create(a.template, timeout=30).kill()  # warm-up: connections, template cache
-        if want("create"):
-            R["create_c1"] = bench_create(Sandbox, a.template, a.creates, False)
-        if want("create_run"):
-            R["create_run_c1"] = bench_create(Sandbox, a.template, a.creates, True)
-        if want("throughput"):
-            R["creates_c16"] = bench_throughput(Sandbox, a.template, a.throughput_creates, a.concurrency)
-        if want("list") and a.list_sandboxes > 0:
-            R["list_1000"] = bench_list(api_url, key, Sandbox, a.template, a.list_sandboxes, a.list_requests,
-                                        a.concurrency)
-        if want("edge"):
-            unc = uncached_edge(cube) if (a.edge_compare and stack is not None) else None
-            R["edge_health"] = bench_edge(Sandbox, a.template, os.environ["E2B_SANDBOX_URL"], a.edge_requests, unc)
+        r = httpx.get(f"{api_url}/sandboxes/{s.sandbox_id}", headers={"X-API-KEY": key}, timeout=30)
+        d = r.json() if r.status_code == 200 else {}
+        R["runtime"], R["isolation"] = d.get("runtime", "?"), d.get("isolation", "?")
     finally:
-        if stack is not None:
-            stack.close()
+        s.kill()
+    if want("create"):
+        R["create_c1"] = bench_create(Sandbox, a.template, a.creates, False)
+    if want("create_run"):
+        R["create_run_c1"] = bench_create(Sandbox, a.template, a.creates, True)
+    if want("throughput"):
+        R["creates_c16"] = bench_throughput(Sandbox, a.template, a.throughput_creates, a.concurrency)
+    if want("list") and a.list_sandboxes > 0:
+        R["list_1000"] = bench_list(api_url, key, Sandbox, a.template, a.list_sandboxes, a.list_requests,
+                                    a.concurrency)
+    if want("edge"):
+        unc = uncached_edge(cube) if (a.edge_compare and stack is not None) else None
+        R["edge_health"] = bench_edge(Sandbox, a.template, os.environ["E2B_SANDBOX_URL"], a.edge_requests, unc)
+    return R
 
+
+def rows_of(R):
+    """(metric, value, unit, target) for what R holds."""
     rows = []
     if "create_c1" in R:
         c = R["create_c1"]
@@ -239,10 +216,71 @@ def main():
         if "uncached" in c:
             rows += [("edge GET /health p50, cache off", c["uncached"]["p50_ms"], "ms", ""),
                      ("edge GET /health p95, cache off", c["uncached"]["p95_ms"], "ms", "")]
-    print(f"\n{res['sdk']} against {api_url}, template {a.template}\n")
-    print("| metric | value | target |\n|---|---:|---|")
-    for name, v, unit, target in rows:
-        print(f"| {name} | {v:.1f} {unit} | {target} |")
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--template", default=os.environ.get("CUBE_BENCH_TEMPLATE", "base"))
+    ap.add_argument("--creates", type=int, default=60, help="samples at concurrency 1")
+    ap.add_argument("--throughput-creates", type=int, default=160)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--list-sandboxes", type=int, default=1000, help="0 skips the list benchmark")
+    ap.add_argument("--list-requests", type=int, default=200)
+    ap.add_argument("--edge-requests", type=int, default=500)
+    ap.add_argument("--only", default="", help="comma list of: create,create_run,throughput,list,edge")
+    ap.add_argument("--local-stack", action="store_true", help="start a private stack (tests/e2e fixture)")
+    ap.add_argument("--runtime", default="",
+                    help="with --local-stack: comma list of node runtimes (namespace,gvisor,microvm), each "
+                         "measured on its own stack, one after another, and reported side by side")
+    ap.add_argument("--edge-compare", action="store_true",
+                    help="with --local-stack: also time the edge with its sandbox cache off")
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+    if a.runtime and not a.local_stack:
+        sys.exit("--runtime needs --local-stack (a running stack has the runtime its node has)")
+
+    conftest = None
+    if a.local_stack:
+        sys.path.insert(0, os.path.join(REPO, "tests", "e2e"))
+        os.environ.setdefault("CUBE_E2E_MAX_SANDBOXES", str(max(a.list_sandboxes, a.throughput_creates) + 16))
+        import conftest  # noqa: E402
+        a.template = conftest.TEMPLATE
+    runtimes = [r for r in a.runtime.split(",") if r] or [conftest.RUNTIME if conftest else ""]
+    import e2b
+
+    res = {"sdk": f"e2b {e2b.__version__}" if hasattr(e2b, "__version__") else "e2b", "template": a.template,
+           "unix_time": int(time.time()), "by_runtime": {}}
+    for rt in runtimes:
+        stack, cube = None, None
+        if conftest is not None:
+            stack = conftest._stack(rt)
+            cube = next(stack)
+        for v in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY"):
+            if not os.environ.get(v):
+                sys.exit(f"{v} is not set (run deploy/dev-up.sh and export what it prints, or --local-stack)")
+        from e2b import Sandbox  # after the env is set: the SDK reads it per call
+        try:
+            res["by_runtime"][rt or "server"] = {"api_url": os.environ["E2B_API_URL"],
+                                                 "results": measure(a, Sandbox, cube, stack)}
+        finally:
+            if stack is not None:
+                stack.close()
+    first = next(iter(res["by_runtime"].values()))
+    res["api_url"], res["results"] = first["api_url"], first["results"]
+
+    names = list(res["by_runtime"])
+    table = {}
+    for rt in names:
+        for name, v, unit, target in rows_of(res["by_runtime"][rt]["results"]):
+            table.setdefault(name, {"unit": unit, "target": target})[rt] = v
+    iso = lambda r: res["by_runtime"][r]["results"].get("isolation", "")  # noqa: E731
+    print(f"\n{res['sdk']}, template {a.template}\n")
+    print("| metric | " + " | ".join(f"{r} ({iso(r)})" if iso(r) else r for r in names) + " | target |")
+    print("|---|" + "---:|" * len(names) + "---|")
+    for name, row in table.items():
+        vals = " | ".join(f"{row[r]:.1f} {row['unit']}" if r in row else "-" for r in names)
+        print(f"| {name} | {vals} | {row['target']} |")
     out = a.out or os.path.join(REPO, "benches", "results", f"sdk-bench-{res['unix_time']}")
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "sdk-bench.json"), "w") as f:
