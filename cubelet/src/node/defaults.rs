@@ -62,7 +62,12 @@ pub fn workdir_of(user: &str) -> String {
 }
 
 /// What a runtime is asked to create.
-pub fn spec(c: &SandboxConfig, req: &CreateRequest, rootfs: &Path) -> CreateSpec {
+pub fn spec(
+    c: &SandboxConfig,
+    req: &CreateRequest,
+    rootfs: &Path,
+    template_bytes: u64,
+) -> CreateSpec {
     let user = if req.default_user.is_empty() {
         DEFAULT_USER.to_string()
     } else {
@@ -75,6 +80,7 @@ pub fn spec(c: &SandboxConfig, req: &CreateRequest, rootfs: &Path) -> CreateSpec
     };
     CreateSpec {
         rootfs: rootfs.to_path_buf(),
+        image_mib: template_bytes.div_ceil(1 << 20),
         init: InitBody {
             env_vars: req.env_vars.clone(),
             access_token: Some(req.access_token.clone()).filter(|t| !t.is_empty()),
@@ -97,7 +103,7 @@ mod tests {
     fn defaults_are_filled_once() {
         let c = SandboxConfig::default();
         let req = CreateRequest::default();
-        let s = spec(&c, &req, Path::new("/r"));
+        let s = spec(&c, &req, Path::new("/r"), 0);
         assert_eq!(s.init.default_user, "user");
         assert_eq!(s.init.default_workdir, "/home/user");
         assert_eq!(s.init.access_token, None);
@@ -111,7 +117,7 @@ mod tests {
             ready_timeout_ms: 5,
             ..Default::default()
         };
-        let s = spec(&c, &req, Path::new("/r"));
+        let s = spec(&c, &req, Path::new("/r"), 0);
         assert_eq!(s.init.default_workdir, "/root");
         assert_eq!(s.init.access_token.as_deref(), Some("t"));
         assert_eq!(s.ready_timeout, Duration::from_millis(5));
@@ -120,7 +126,7 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(
-            spec(&c, &req, Path::new("/r")).init.default_workdir,
+            spec(&c, &req, Path::new("/r"), 0).init.default_workdir,
             "/work"
         );
     }

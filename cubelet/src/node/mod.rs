@@ -222,7 +222,7 @@ impl Node {
                 .map(|s| s.as_str()),
         )?;
         let shape = defaults::shape(&h.cfg.sandbox, req.shape, manifest.rootfs.bytes)?;
-        let spec = defaults::spec(&h.cfg.sandbox, &req, &rootfs);
+        let spec = defaults::spec(&h.cfg.sandbox, &req, &rootfs, manifest.rootfs.bytes);
         let max = h.cfg.sandbox.max_sandboxes as usize;
         let entry = Arc::new(tokio::sync::Mutex::new(SandboxState {
             id: req.id.clone(),

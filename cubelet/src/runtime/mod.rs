@@ -35,6 +35,8 @@ pub use select::{kvm_kind, select, Selection};
 pub struct CreateSpec {
     /// The template build's image.
     pub rootfs: PathBuf,
+    /// Its size in MiB (the disk size pre-started sandboxes have).
+    pub image_mib: u64,
     /// What the agent is initialised with (user and workdir always set).
     pub init: InitBody,
     /// How long the sandbox may take to be ready.

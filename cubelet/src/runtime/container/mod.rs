@@ -314,14 +314,7 @@ impl<L: Launcher> Runtime for Container<L> {
         let h = &self.host;
         let t0 = Instant::now();
         // Pool entries have the template image's disk size: a larger disk starts cold.
-        let pooled = if st.shape.disk_mib
-            == h.templates
-                .get(&st.template, Some(&st.build))?
-                .0
-                .rootfs
-                .bytes
-                .div_ceil(1 << 20)
-        {
+        let pooled = if st.shape.disk_mib == spec.image_mib {
             self.started.claim(h, &st.template, &st.build).await
         } else {
             None

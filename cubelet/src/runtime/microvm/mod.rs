@@ -149,11 +149,14 @@ impl Microvm {
         let key = new_key();
         let (cg, limits, k) = (
             self.host.cg.clone(),
-            crate::cgroup::Limits {
-                vcpus,
-                memory_mib: mem_mib + self.host.cfg.microvm.mem_overhead_mib,
-                pids: self.host.cfg.sandbox.pids_max,
-            },
+            self.host.limits(
+                crate::sandbox::Shape {
+                    vcpus,
+                    memory_mib: mem_mib,
+                    disk_mib: 0,
+                },
+                self.host.cfg.microvm.mem_overhead_mib,
+            ),
             key.clone(),
         );
         let spawner = p.spawner.clone();
