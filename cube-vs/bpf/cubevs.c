@@ -75,8 +75,8 @@ struct exposed_key {
 	__u32 port; // host order
 };
 
+// Key within one port's flow table (the port is implied by the table).
 struct flow_key {
-	__u32 ifindex;
 	__u32 remote_ip;
 	__u16 remote_port; // network order
 	__u16 local_port;  // network order
@@ -125,12 +125,27 @@ struct {
 // UDP the guest opened (answers, DNS included, may come back), and TCP/UDP/ICMP the node opened
 // towards an exposed port (the guest's answers to the node's own addresses, which the policy
 // would otherwise refuse as host services). Key: the guest's view (remote = the peer).
-struct {
+//
+// One LRU table per port (its size is the per-sandbox quota, SwitchConfig::flow_quota; userspace
+// creates it at attach): a sandbox opening more flows than that recycles its own least recently
+// used entries and can neither evict nor crowd out another sandbox's, as it could in one shared
+// LRU table. A shared non-LRU table with per-port counters would need flow aging, which the
+// datapath does not have, and would still fail for everyone once full.
+struct flow_table {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, 65536);
-	__type(key, struct flow_key);
-	__type(value, __u32); // FLOW_BY_GUEST or FLOW_BY_NODE
-} cvs_flows SEC(".maps");
+	__uint(max_entries, 4096); // template only: each port's table is sized by userspace
+	// Sizes, not __type: clang leaves a struct reached only through the outer map's pointer
+	// array as a forward declaration, which has no size.
+	__uint(key_size, sizeof(struct flow_key));
+	__uint(value_size, sizeof(__u32)); // FLOW_BY_GUEST or FLOW_BY_NODE
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH_OF_MAPS);
+	__uint(max_entries, 16384);
+	__type(key, __u32); // ifindex
+	__array(values, struct flow_table);
+} cvs_port_flows SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
@@ -182,6 +197,12 @@ static __always_inline void count(__u32 ifindex, int from, int drop, __u32 len)
 static __always_inline int is_ours(__u32 addr, const struct cfg *c)
 {
 	return (addr & c->pool_mask) == c->pool_net;
+}
+
+static __always_inline int mac_eq(const __u8 *a, const __u8 *b)
+{
+	return a[0] == b[0] && a[1] == b[1] && a[2] == b[2] && a[3] == b[3] && a[4] == b[4] &&
+	       a[5] == b[5];
 }
 
 // Rewrite one IPv4 address (at ip_addr_off) and fix the IP and L4 checksums.
@@ -359,6 +380,10 @@ int cvs_from_guest(struct __sk_buff *skb)
 	struct ethhdr *eth = data;
 	if ((void *)(eth + 1) > data_end)
 		goto drop;
+	// Anti-spoofing, layer 2: every guest NIC has the fixed guest MAC (cubelet gives it to the
+	// veth peer and to the microVM's NIC); anything else is not the sandbox speaking.
+	if (!mac_eq(eth->h_source, c->guest_mac))
+		goto drop;
 
 	if (eth->h_proto == bpf_htons(ETH_P_ARP)) {
 		struct arp_eth *arp = arp_hdr(skb);
@@ -368,7 +393,8 @@ int cvs_from_guest(struct __sk_buff *skb)
 		if (arp->op == bpf_htons(ARP_REPLY) && (p->flags & PORT_BOUND) &&
 		    arp->spa == p->host_ip)
 			goto pass;
-		if (arp->op != bpf_htons(ARP_REQUEST) || arp->tpa != c->gw_ip)
+		if (arp->op != bpf_htons(ARP_REQUEST) || arp->tpa != c->gw_ip ||
+		    !mac_eq(arp->sha, c->guest_mac))
 			goto drop;
 		count(ifindex, 1, 0, len);
 		return arp_reply(skb, c->gw_mac, c->gw_ip, 0);
@@ -386,20 +412,23 @@ int cvs_from_guest(struct __sk_buff *skb)
 	if (parse_l4(skb, ip, &l4))
 		goto drop;
 
-	struct flow_key fk = { .ifindex = ifindex,
-			       .remote_ip = ip->daddr,
+	// Attach creates the table before the port passes anything: none means not ours.
+	void *flows = bpf_map_lookup_elem(&cvs_port_flows, &ifindex);
+	if (!flows)
+		goto drop;
+	struct flow_key fk = { .remote_ip = ip->daddr,
 			       .remote_port = l4.dport,
 			       .local_port = l4.sport,
 			       .proto = l4.proto };
 	int syn_only = l4.proto == IPPROTO_TCP && (l4.tcp_flags & 0x02) && !(l4.tcp_flags & 0x10);
-	__u32 *dir = bpf_map_lookup_elem(&cvs_flows, &fk);
+	__u32 *dir = bpf_map_lookup_elem(flows, &fk);
 	if (!(dir && *dir == FLOW_BY_NODE && !syn_only && !is_ours(ip->daddr, c))) {
 		// Not an answer to the node: the egress policy decides.
 		if (!egress_allowed(skb, c, p, ifindex, ip, &l4))
 			goto drop;
 		if (l4.proto == IPPROTO_UDP && l4.l4_off >= 0 && !dir) {
 			__u32 by = FLOW_BY_GUEST;
-			bpf_map_update_elem(&cvs_flows, &fk, &by, BPF_ANY);
+			bpf_map_update_elem(flows, &fk, &by, BPF_ANY);
 		}
 	}
 
@@ -463,8 +492,10 @@ int cvs_to_guest(struct __sk_buff *skb)
 		goto drop;
 	// Locally originated packets (the node's edge/proxy) have no input interface.
 	int local = skb->ingress_ifindex == 0;
-	struct flow_key fk = { .ifindex = ifindex,
-			       .remote_ip = ip->saddr,
+	void *flows = bpf_map_lookup_elem(&cvs_port_flows, &ifindex);
+	if (!flows)
+		goto drop;
+	struct flow_key fk = { .remote_ip = ip->saddr,
 			       .remote_port = l4.sport,
 			       .local_port = l4.dport,
 			       .proto = l4.proto };
@@ -475,22 +506,22 @@ int cvs_to_guest(struct __sk_buff *skb)
 			// A new connection: only from the node, only to an exposed port.
 			if (!local || !bpf_map_lookup_elem(&cvs_exposed, &ek))
 				goto drop;
-			bpf_map_update_elem(&cvs_flows, &fk, &by_node, BPF_ANY);
+			bpf_map_update_elem(flows, &fk, &by_node, BPF_ANY);
 		}
 	} else if (l4.proto == IPPROTO_UDP) {
 		if (l4.l4_off >= 0) {
-			__u32 *dir = bpf_map_lookup_elem(&cvs_flows, &fk);
+			__u32 *dir = bpf_map_lookup_elem(flows, &fk);
 			if (!(dir && *dir == FLOW_BY_GUEST)) {
 				if (!local || !bpf_map_lookup_elem(&cvs_exposed, &ek))
 					goto drop;
-				bpf_map_update_elem(&cvs_flows, &fk, &by_node, BPF_ANY);
+				bpf_map_update_elem(flows, &fk, &by_node, BPF_ANY);
 			}
 		}
 	} else if (l4.proto == IPPROTO_ICMP) {
 		if (l4.icmp_type == ICMP_ECHO) {
 			if (!local)
 				goto drop;
-			bpf_map_update_elem(&cvs_flows, &fk, &by_node, BPF_ANY);
+			bpf_map_update_elem(flows, &fk, &by_node, BPF_ANY);
 		} else if (l4.icmp_type != ICMP_ECHOREPLY && l4.icmp_type != ICMP_DEST_UNREACH &&
 			   l4.icmp_type != ICMP_TIME_EXCEEDED) {
 			goto drop;

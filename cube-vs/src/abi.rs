@@ -4,7 +4,8 @@ use aya::Pod;
 
 /// Layout version of the pinned maps; bump on any change to the structs below or to map
 /// definitions, so that a new loader refuses (rather than misreads) an old node's pins.
-pub(crate) const ABI_VERSION: u32 = 1;
+/// 2: per-port flow tables (`cvs_port_flows`, map-in-map) replaced the shared `cvs_flows`.
+pub(crate) const ABI_VERSION: u32 = 2;
 
 pub(crate) const PORT_BOUND: u32 = 1;
 pub(crate) const PORT_INTERNET: u32 = 2;
@@ -18,7 +19,7 @@ pub(crate) const MAP_CFG: &str = "cvs_cfg";
 pub(crate) const MAP_PORTS: &str = "cvs_ports";
 pub(crate) const MAP_POLICY: &str = "cvs_policy";
 pub(crate) const MAP_EXPOSED: &str = "cvs_exposed";
-pub(crate) const MAP_FLOWS: &str = "cvs_flows";
+pub(crate) const MAP_FLOWS: &str = "cvs_port_flows";
 pub(crate) const MAP_STATS: &str = "cvs_stats";
 pub(crate) const ALL_MAPS: &[&str] = &[
     MAP_CFG,
@@ -89,13 +90,12 @@ unsafe impl Pod for ExposedKey {}
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub(crate) struct FlowKey {
-    pub ifindex: u32,
     pub remote_ip: u32,
     pub remote_port: u16,
     pub local_port: u16,
     pub proto: u32,
 }
-// SAFETY: repr(C), plain integers, no padding (4+4+2+2+4 = 16).
+// SAFETY: repr(C), plain integers, no padding (4+2+2+4 = 12).
 unsafe impl Pod for FlowKey {}
 
 #[repr(C)]

@@ -221,7 +221,19 @@ pub struct SwitchConfig {
     pub masquerade: bool,
     /// Name of our own nftables table (family `ip`).
     pub nft_table: String,
+    /// Most flow-table entries one sandbox may hold (`4096`; 64 to 1048576): each port gets
+    /// its own table of this size, so a sandbox opening more flows (e.g. UDP to many peers)
+    /// only recycles its own least recently used entries, never another sandbox's. The table
+    /// is preallocated at attach, about 90 bytes per entry (~350 KiB per port by default).
+    /// A change applies to ports attached or unbound after it.
+    pub flow_quota: u32,
 }
+
+/// Bounds of [`SwitchConfig::flow_quota`]. Below the minimum the kernel's LRU (which keeps
+/// per-CPU free lists) evicts well before the table is full.
+pub const FLOW_QUOTA_RANGE: std::ops::RangeInclusive<u32> = 64..=1 << 20;
+/// Default of [`SwitchConfig::flow_quota`].
+pub const DEFAULT_FLOW_QUOTA: u32 = 4096;
 
 impl Default for SwitchConfig {
     fn default() -> Self {
@@ -235,6 +247,7 @@ impl Default for SwitchConfig {
             attach_mode: AttachMode::Netlink,
             masquerade: true,
             nft_table: "cube_vs".into(),
+            flow_quota: DEFAULT_FLOW_QUOTA,
         }
     }
 }

@@ -28,6 +28,8 @@ pub enum Error {
     PoolExhausted(String),
     #[error("host address pool {0} has no usable addresses (prefix too long)")]
     PoolTooSmall(String),
+    #[error("flow quota {0} is outside {min}..={max}", min = crate::config::FLOW_QUOTA_RANGE.start(), max = crate::config::FLOW_QUOTA_RANGE.end())]
+    InvalidFlowQuota(u32),
     #[error("too many policy entries for one sandbox ({0}, limit {1})")]
     PolicyTooLarge(usize, usize),
     #[error("bpffs at {path}: {source}")]

@@ -16,7 +16,7 @@
 //! * enforce the egress policy ([`EgressPolicy`]): internet on/off, allow/deny CIDRs with
 //!   longest-prefix match, always-denied private/link-local/host ranges, node-local
 //!   destinations, DNS only to the configured resolver, sandbox-to-sandbox always dropped,
-//!   anti-spoofing, IPv6 dropped;
+//!   anti-spoofing (source IP and source MAC must be the fixed guest identity), IPv6 dropped;
 //! * let only the node itself (the edge/proxy) open TCP connections (or send UDP) to the
 //!   sandbox's exposed ports; replies to guest-opened connections pass.
 //!
@@ -66,6 +66,9 @@
 //! * Stateless inbound filter for TCP: only SYN-without-ACK is checked against exposed ports and
 //!   local origin; other TCP segments pass to the guest (which answers unknown ones with RST).
 //!   UDP and ICMP echo towards the guest need a flow the guest (or the node) opened.
+//! * Flows live in one LRU table per port of [`SwitchConfig::flow_quota`] entries: a sandbox
+//!   with more concurrent flows than that loses its own oldest ones (their replies are then
+//!   dropped), never another sandbox's. Node-wide conntrack (masquerade) is not partitioned.
 //! * ICMP errors reach the guest with their inner header untranslated (host address inside).
 //! * IPv4 only: IPv6 and other ethertypes are dropped both ways.
 //! * Domain-based egress rules are not implemented (CIDRs only).
@@ -83,7 +86,9 @@ pub mod pool;
 mod route;
 pub mod switch;
 
-pub use config::{AttachMode, GuestNetwork, Ipv4Cidr, MacAddr, SwitchConfig};
+pub use config::{
+    AttachMode, GuestNetwork, Ipv4Cidr, MacAddr, SwitchConfig, DEFAULT_FLOW_QUOTA, FLOW_QUOTA_RANGE,
+};
 pub use error::{Error, Result};
 pub use policy::{EgressPolicy, ALWAYS_DENIED};
 pub use pool::AddrPool;
@@ -107,6 +112,8 @@ mod config_tests {
         let c = SwitchConfig::default();
         assert_eq!(c.host_pool.to_string(), "10.233.0.0/16");
         assert_eq!(c.pin_root.to_str(), Some("/sys/fs/bpf/cube"));
+        assert_eq!(c.flow_quota, 4096);
+        assert!(FLOW_QUOTA_RANGE.contains(&c.flow_quota));
     }
 
     #[test]
@@ -122,6 +129,9 @@ mod config_tests {
         assert_eq!(partial.host_pool.to_string(), "10.1.2.0/24");
         assert_eq!(partial.guest.guest_mac.0[5], 9);
         assert_eq!(partial.guest.gateway_ip, GuestNetwork::default().gateway_ip);
+        let q: SwitchConfig = toml::from_str("flow_quota = 256").unwrap();
+        assert_eq!(q.flow_quota, 256);
+        assert!(toml::from_str::<SwitchConfig>("flow_quota = -1").is_err());
         assert!(toml::from_str::<SwitchConfig>("host_pool = \"10.0.0.0/40\"").is_err());
         assert!(toml::from_str::<SwitchConfig>("[guest]\nguest_mac = \"02:00\"").is_err());
         assert!(

@@ -5,7 +5,7 @@ use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 
 use aya::maps::lpm_trie::{Key, LpmTrie};
-use aya::maps::{HashMap, MapData};
+use aya::maps::{HashMap, HashOfMaps, Map, MapData};
 use aya::programs::links::{FdLink, PinnedLink};
 use aya::programs::tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions, TcHandle};
 use aya::programs::{LinkOrder, SchedClassifier, TcAttachType};
@@ -13,7 +13,7 @@ use aya::{Ebpf, EbpfLoader};
 use serde::{Deserialize, Serialize};
 
 use crate::abi::*;
-use crate::config::{AttachMode, Ipv4Cidr, SwitchConfig};
+use crate::config::{AttachMode, Ipv4Cidr, SwitchConfig, FLOW_QUOTA_RANGE};
 use crate::error::{map_err, prog_err, Error, Result};
 use crate::policy::EgressPolicy;
 use crate::{bpffs, nft, route};
@@ -112,10 +112,29 @@ pub struct Switch {
     ports: HashMap<MapData, u32, PortVal>,
     policy: LpmTrie<MapData, PolicyKeyData, PolicyVal>,
     exposed: HashMap<MapData, ExposedKey, u32>,
-    flows: HashMap<MapData, FlowKey, u32>,
+    /// ifindex -> that port's own flow table (see `bpf/cubevs.c`).
+    flows: HashOfMaps<MapData, u32, FlowTable>,
     stats: HashMap<MapData, u32, StatsVal>,
     state: BTreeMap<u32, PortState>,
     by_addr: StdHashMap<Ipv4Addr, u32>,
+}
+
+/// One port's flow table.
+type FlowTable = HashMap<MapData, FlowKey, u32>;
+
+/// A fresh, empty flow table of `entries` entries (an LRU hash like the object's template; the
+/// kernel lets hash inner maps differ from the template in size only).
+fn new_flow_table(entries: u32) -> Result<FlowTable> {
+    use aya_obj::generated::bpf_map_type::BPF_MAP_TYPE_LRU_HASH;
+    let obj = aya_obj::Map::new_from_params(
+        BPF_MAP_TYPE_LRU_HASH as u32,
+        std::mem::size_of::<FlowKey>() as u32,
+        std::mem::size_of::<u32>() as u32,
+        entries,
+        0,
+    );
+    let md = MapData::create(obj, "cvs_flows", None).map_err(map_err(MAP_FLOWS))?;
+    FlowTable::try_from(Map::LruHashMap(md)).map_err(map_err(MAP_FLOWS))
 }
 
 fn ifname_of(ifindex: u32) -> Option<String> {
@@ -170,6 +189,9 @@ impl Switch {
         }
         if cfg.host_pool.prefix_len() > 30 {
             return Err(Error::PoolTooSmall(cfg.host_pool.to_string()));
+        }
+        if !FLOW_QUOTA_RANGE.contains(&cfg.flow_quota) {
+            return Err(Error::InvalidFlowQuota(cfg.flow_quota));
         }
         bpffs::ensure(&cfg.pin_root)?;
         let map_paths: Vec<(&'static str, PathBuf)> = ALL_MAPS
@@ -312,6 +334,14 @@ impl Switch {
             if let Some(s) = self.state.get_mut(&ifindex) {
                 s.ifname = name.clone();
             }
+            // Attach always creates one; a port without (a crash in between) would drop all
+            // IP traffic.
+            if let Err(e) = self.flows.get(&ifindex, 0) {
+                if !is_not_found(&e) {
+                    return Err(map_err(MAP_FLOWS)(e));
+                }
+                self.reset_flows(ifindex)?;
+            }
             let r = if tcx {
                 self.replace_tcx(ifindex)
             } else {
@@ -402,6 +432,7 @@ impl Switch {
             ..Default::default()
         };
         // State first: from the first packet on, the programs find an unbound port and drop.
+        self.reset_flows(ifindex)?;
         self.ports
             .insert(ifindex, val, 0)
             .map_err(map_err(MAP_PORTS))?;
@@ -530,8 +561,7 @@ impl Switch {
         }
         self.write_policy(port.ifindex, &net.policy)?;
         self.write_exposed(port.ifindex, &net.exposed_ports)?;
-        // Flows of a previous sandbox were cleared by its unbind (kept off the create path:
-        // clearing walks the whole flow table).
+        // Flows of a previous sandbox were dropped by its unbind (a fresh table).
         self.stats
             .insert(port.ifindex, StatsVal::default(), 0)
             .map_err(map_err(MAP_STATS))?;
@@ -667,17 +697,32 @@ impl Switch {
         Ok(())
     }
 
-    fn clear_flows(&mut self, ifindex: u32) -> Result<()> {
-        let stale: Vec<FlowKey> = self
-            .flows
-            .keys()
-            .filter_map(|k| k.ok())
-            .filter(|k| k.ifindex == ifindex)
-            .collect();
-        for k in stale {
-            let _ = self.flows.remove(&k);
+    /// Gives the port a fresh, empty flow table of the configured quota: one atomic map
+    /// update; the old table is freed by the kernel once no program uses it.
+    fn reset_flows(&mut self, ifindex: u32) -> Result<()> {
+        let table = new_flow_table(self.cfg.flow_quota)?;
+        self.flows
+            .insert(ifindex, &table, 0)
+            .map_err(map_err(MAP_FLOWS))
+    }
+
+    /// Number of flow entries the port holds now (at most [`SwitchConfig::flow_quota`]);
+    /// walks the port's table, so for diagnostics and tests, not hot paths.
+    pub fn flow_count(&self, port: &Port) -> Result<usize> {
+        self.port_state(port)?;
+        let table = match self.flows.get(&port.ifindex, 0) {
+            Ok(t) => t,
+            Err(e) if is_not_found(&e) => return Ok(0),
+            Err(e) => return Err(map_err(MAP_FLOWS)(e)),
+        };
+        // A key evicted under the walk makes the kernel restart it from the first key: dedupe,
+        // and bound the walk so that a busy table cannot keep it going.
+        let mut seen = std::collections::HashSet::new();
+        let bound = 2 * *FLOW_QUOTA_RANGE.end() as usize;
+        for k in table.keys().take(bound) {
+            seen.insert(k.map_err(map_err(MAP_FLOWS))?);
         }
-        Ok(())
+        Ok(seen.len())
     }
 
     /// Unbinds the sandbox from its port (the port drops everything again and can be reused).
@@ -706,7 +751,7 @@ impl Switch {
         }
         self.clear_policy(port.ifindex)?;
         self.write_exposed(port.ifindex, &[])?;
-        self.clear_flows(port.ifindex)?;
+        self.reset_flows(port.ifindex)?;
         Ok(Some(addr))
     }
 
@@ -766,7 +811,6 @@ impl Switch {
     fn forget(&mut self, ifindex: u32) -> Result<()> {
         let _ = self.clear_policy(ifindex);
         let _ = self.write_exposed(ifindex, &[]);
-        let _ = self.clear_flows(ifindex);
         if let Some(s) = self.state.remove(&ifindex) {
             if s.val.flags & PORT_BOUND != 0 {
                 self.by_addr.remove(&ip_from_be(s.val.host_ip));
@@ -775,7 +819,11 @@ impl Switch {
         for dir in ["ingress", "egress"] {
             let _ = std::fs::remove_file(self.link_pin(ifindex, dir));
         }
-        for r in [self.ports.remove(&ifindex), self.stats.remove(&ifindex)] {
+        for r in [
+            self.ports.remove(&ifindex),
+            self.stats.remove(&ifindex),
+            self.flows.remove(&ifindex),
+        ] {
             match r {
                 Ok(()) => {}
                 Err(e) if is_not_found(&e) => {}

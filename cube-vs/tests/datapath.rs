@@ -4,8 +4,9 @@
 mod common;
 
 use std::io::{BufRead, BufReader};
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::{Ipv4Addr, SocketAddr, UdpSocket};
 use std::process::{Command, Stdio};
+use std::time::Duration;
 
 use common::*;
 use cube_vs::{AttachMode, EgressPolicy, Port, SandboxNet, Switch, SwitchConfig};
@@ -502,4 +503,175 @@ fn restart_readopts_and_forgets_vanished_interfaces() {
         sw.bind(&p, &SandboxNet::new(HOST1)).unwrap();
     });
     assert_clean(&t);
+}
+
+/// A UDP socket in `ns` bound to `addr`, usable from any thread (it stays in `ns`).
+fn udp_socket(ns: &str, addr: SocketAddr) -> UdpSocket {
+    let s = in_ns(ns, move || UdpSocket::bind(addr).expect("bind udp"));
+    s.set_read_timeout(Some(Duration::from_millis(700)))
+        .unwrap();
+    s
+}
+
+fn recv_text(s: &UdpSocket) -> Option<(String, SocketAddr)> {
+    let mut buf = [0u8; 512];
+    let (n, peer) = s.recv_from(&mut buf).ok()?;
+    Some((String::from_utf8_lossy(&buf[..n]).into_owned(), peer))
+}
+
+#[test]
+fn one_sandbox_flooding_flows_cannot_evict_anothers() {
+    cube_testkit::require_priv!("cube_vs::one_sandbox_flooding_flows_cannot_evict_anothers");
+    if !datapath_or_skip("cube_vs::one_sandbox_flooding_flows_cannot_evict_anothers") {
+        return;
+    }
+    // Twice as many distinct flows as the old node-wide table had entries (65536), each hit
+    // twice: the kernel's LRU evicts entries used only once first, so a flood of one-shot
+    // flows spares an idle but once-answered flow; referenced ones push it out.
+    const FLOOD: u32 = 140_000;
+    const PASSES: u32 = 2;
+    let t = Topo::new(2);
+    let (g0, g1) = (t.g(0), t.g(1));
+    let server = udp_socket(&t.i(), SocketAddr::from((INET_A, 5000)));
+    let ifs = t.host_ifs.clone();
+    // No masquerade: the internet namespace routes 10.233/16 back, and node-wide conntrack
+    // (not partitioned by the switch) stays out of the picture.
+    let cfg = SwitchConfig {
+        masquerade: false,
+        ..t.switch_config()
+    };
+    let quota = cfg.flow_quota as usize;
+    let bad = SwitchConfig {
+        flow_quota: 1,
+        ..cfg.clone()
+    };
+    assert!(matches!(
+        Switch::open(bad),
+        Err(cube_vs::Error::InvalidFlowQuota(1))
+    ));
+    with_switch(&t, cfg, move |sw| {
+        let pa = sw.attach(&ifs[0]).unwrap();
+        let pb = sw.attach(&ifs[1]).unwrap();
+        sw.bind(&pa, &SandboxNet::new(HOST0)).unwrap();
+        sw.bind(&pb, &SandboxNet::new(HOST1)).unwrap();
+
+        // B opens a UDP conversation.
+        let b = udp_socket(&g1, any(40000));
+        b.send_to(b"open", (INET_A, 5000)).unwrap();
+        let (_, b_peer) = recv_text(&server).expect("server hears B");
+        assert_eq!(b_peer, SocketAddr::from((HOST1, 40000)));
+        server.send_to(b"hello", b_peer).unwrap();
+        assert_eq!(recv_text(&b).map(|m| m.0).as_deref(), Some("hello"));
+
+        // A sends one datagram to each of FLOOD distinct destinations (routed to the internet
+        // namespace, which drops them), paced so the veth backlog does not drop them first.
+        let sent = in_ns(&g0, || {
+            let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+            let mut sent = 0u32;
+            for i in 0..FLOOD {
+                let ip = Ipv4Addr::new(203, 0, 113, 100 + (i / 1000) as u8);
+                for _ in 0..PASSES {
+                    if s.send_to(b"x", (ip, 20000 + (i % 1000) as u16)).is_ok() {
+                        sent += 1;
+                    }
+                }
+                if i % 100 == 99 {
+                    std::thread::sleep(Duration::from_micros(500));
+                }
+            }
+            sent
+        });
+        assert_eq!(sent, FLOOD * PASSES);
+        let ca = sw.counters(pa.ifindex).unwrap();
+        assert!(
+            ca.from_guest.packets >= u64::from(FLOOD * PASSES) * 9 / 10,
+            "the flood reached the datapath: {ca:?}"
+        );
+        let na = sw.flow_count(&pa).unwrap();
+        assert!(
+            na <= quota && na >= quota / 2,
+            "A holds at most its quota ({quota}), and the flood filled it: {na}"
+        );
+        assert!(sw.flow_count(&pb).unwrap() >= 1, "B's flow is still there");
+
+        // B's established flow still carries replies...
+        server.send_to(b"late", b_peer).unwrap();
+        assert_eq!(
+            recv_text(&b).map(|m| m.0).as_deref(),
+            Some("late"),
+            "B's flow was evicted by A's flood"
+        );
+        // ...and B can open new ones.
+        let c = udp_socket(&g1, any(40001));
+        c.send_to(b"new", (INET_A, 5000)).unwrap();
+        let (_, c_peer) = recv_text(&server).expect("server hears B's new flow");
+        server.send_to(b"new-reply", c_peer).unwrap();
+        assert_eq!(recv_text(&c).map(|m| m.0).as_deref(), Some("new-reply"));
+        // A's newest flows work too (it recycles its own oldest ones).
+        let a = udp_socket(&g0, any(40002));
+        a.send_to(b"a", (INET_A, 5000)).unwrap();
+        let (_, a_peer) = recv_text(&server).expect("server hears A");
+        server.send_to(b"a-reply", a_peer).unwrap();
+        assert_eq!(recv_text(&a).map(|m| m.0).as_deref(), Some("a-reply"));
+
+        // Unbinding gives the port a fresh, empty table.
+        sw.unbind(&pa).unwrap();
+        assert_eq!(sw.flow_count(&pa).unwrap(), 0);
+    });
+}
+
+#[test]
+fn spoofed_source_mac_is_dropped() {
+    cube_testkit::require_priv!("cube_vs::spoofed_source_mac_is_dropped");
+    if !datapath_or_skip("cube_vs::spoofed_source_mac_is_dropped") {
+        return;
+    }
+    let t = Topo::new(1);
+    let g = t.g(0);
+    let sink = udp_socket(&t.i(), SocketAddr::from((INET_A, 6000)));
+    let ifs = t.host_ifs.clone();
+    let cfg = t.switch_config();
+    with_switch(&t, cfg, move |sw| {
+        let p = sw.attach(&ifs[0]).unwrap();
+        sw.bind(&p, &SandboxNet::new(HOST0)).unwrap();
+        let guest = udp_socket(&g, any(41000));
+        let arrives = |msg: &str| {
+            guest.send_to(msg.as_bytes(), (INET_A, 6000)).unwrap();
+            // Skip anything late from an earlier probe.
+            while let Some((m, _)) = recv_text(&sink) {
+                if m == msg {
+                    return true;
+                }
+            }
+            false
+        };
+        assert!(arrives("right-mac"), "the guest's own MAC passes");
+        // Same guest, right source IP, another source MAC.
+        nsx(
+            &g,
+            &["ip", "link", "set", "eth0", "address", "02:cb:e0:00:00:03"],
+        );
+        let drops = sw.counters(p.ifindex).unwrap().from_guest.drops;
+        assert!(!arrives("spoofed-mac"), "a spoofed source MAC must drop");
+        assert!(sw.counters(p.ifindex).unwrap().from_guest.drops > drops);
+        // ARP from the spoofed MAC is not answered either.
+        let arping = sh_ok(&[
+            "ip", "netns", "exec", &g, "ip", "neigh", "flush", "dev", "eth0",
+        ]) && sh_ok(&[
+            "ip",
+            "netns",
+            "exec",
+            &g,
+            "ping",
+            "-c1",
+            "-W1",
+            "203.0.113.5",
+        ]);
+        assert!(!arping, "no gateway resolution with a spoofed MAC");
+        nsx(
+            &g,
+            &["ip", "link", "set", "eth0", "address", "02:cb:e0:00:00:02"],
+        );
+        assert!(arrives("right-mac-again"), "back to the guest MAC: passes");
+    });
 }

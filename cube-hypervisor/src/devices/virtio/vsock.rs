@@ -45,6 +45,11 @@ const MAX_PKT: usize = 64 * 1024;
 const FIRST_HOST_PORT: u32 = 1 << 30;
 const MAX_HANDSHAKE_LINE: usize = 32;
 const MAX_CONNS: usize = 1024;
+/// Most control packets (RST, RESPONSE, CREDIT_UPDATE, ...) waiting for an rx buffer. Every guest
+/// packet can provoke one, so a guest that sends without ever draining its rx queue would grow
+/// the queue without bound; past this, new ones are dropped (counted, logged). Room for a few
+/// per live connection, so a guest that does drain never hits it.
+pub const MAX_RX_CTRL: usize = 4 * MAX_CONNS;
 const BATCH: usize = 256;
 
 const TYPE_STREAM: u16 = 1;
@@ -229,8 +234,10 @@ pub struct Vsock {
     listener: UnixListener,
     handshakes: Vec<Handshake>,
     conns: HashMap<Key, Conn>,
-    /// Control packets waiting for an rx buffer.
+    /// Control packets waiting for an rx buffer (at most [`MAX_RX_CTRL`]).
     rx_ctrl: VecDeque<PacketHeader>,
+    /// Control packets dropped because `rx_ctrl` was full.
+    ctrl_dropped: u64,
     next_host_port: u32,
     transport_reset_pending: bool,
     rx_starved: bool,
@@ -310,6 +317,7 @@ impl Vsock {
             handshakes: Vec::new(),
             conns: HashMap::new(),
             rx_ctrl: VecDeque::new(),
+            ctrl_dropped: 0,
             next_host_port: FIRST_HOST_PORT,
             transport_reset_pending: false,
             rx_starved: false,
@@ -325,6 +333,43 @@ impl Vsock {
     /// Number of live connections (for tests and metrics).
     pub fn connection_count(&self) -> usize {
         self.conns.len()
+    }
+
+    /// Control packets dropped so far because the guest did not drain its rx queue.
+    pub fn ctrl_dropped(&self) -> u64 {
+        self.ctrl_dropped
+    }
+
+    /// Control packets waiting for an rx buffer.
+    pub fn pending_ctrl(&self) -> usize {
+        self.rx_ctrl.len()
+    }
+
+    fn ctrl_full(&self) -> bool {
+        self.rx_ctrl.len() >= MAX_RX_CTRL
+    }
+
+    fn count_ctrl_drop(&mut self, what: &str) {
+        self.ctrl_dropped += 1;
+        // First drop and then every 1024th: a flooding guest must not flood the log too.
+        if self.ctrl_dropped % 1024 == 1 {
+            tracing::warn!(
+                guest_cid = self.guest_cid,
+                dropped = self.ctrl_dropped,
+                what,
+                "vsock: guest does not drain its rx queue; control queue full, dropping"
+            );
+        }
+    }
+
+    /// Queues a control packet for the guest; false (and counted) when the queue is full.
+    fn push_ctrl(&mut self, h: PacketHeader) -> bool {
+        if self.ctrl_full() {
+            self.count_ctrl_drop("control packet");
+            return false;
+        }
+        self.rx_ctrl.push_back(h);
+        true
     }
 
     fn reply(&self, to: &PacketHeader, op: u16, flags: u32, fwd_cnt: u32) -> PacketHeader {
@@ -360,7 +405,7 @@ impl Vsock {
     fn rst(&mut self, key: Key) {
         self.conns.remove(&key);
         let h = self.to_guest(key, op::RST, 0, 0);
-        self.rx_ctrl.push_back(h);
+        self.push_ctrl(h);
     }
 
     /// Handles one packet from the guest.
@@ -373,11 +418,17 @@ impl Vsock {
         if hdr.type_ != TYPE_STREAM {
             if hdr.op != op::RST {
                 let r = self.reply(&hdr, op::RST, 0, 0);
-                self.rx_ctrl.push_back(r);
+                self.push_ctrl(r);
             }
             return;
         }
         if hdr.op == op::REQUEST {
+            if self.ctrl_full() {
+                // Neither a RESPONSE nor a RST could be queued: ignore the request (the guest
+                // times out) rather than open a connection the guest never learns about.
+                self.count_ctrl_drop("connection request");
+                return;
+            }
             if self.conns.contains_key(&key) || self.conns.len() >= MAX_CONNS {
                 self.rst(key);
                 return;
@@ -390,12 +441,12 @@ impl Vsock {
                     c.peer_fwd_cnt = hdr.fwd_cnt;
                     self.conns.insert(key, c);
                     let r = self.to_guest(key, op::RESPONSE, 0, 0);
-                    self.rx_ctrl.push_back(r);
+                    self.push_ctrl(r);
                 }
                 Err(e) => {
                     tracing::debug!(%path, error = %e, "vsock: guest connect refused");
                     let r = self.reply(&hdr, op::RST, 0, 0);
-                    self.rx_ctrl.push_back(r);
+                    self.push_ctrl(r);
                 }
             }
             return;
@@ -403,7 +454,7 @@ impl Vsock {
         let Some(conn) = self.conns.get_mut(&key) else {
             if hdr.op != op::RST {
                 let r = self.reply(&hdr, op::RST, 0, 0);
-                self.rx_ctrl.push_back(r);
+                self.push_ctrl(r);
             }
             return;
         };
@@ -435,7 +486,7 @@ impl Vsock {
                 let fwd = conn.fwd_cnt;
                 conn.last_fwd_cnt_sent = fwd;
                 let r = self.to_guest(key, op::CREDIT_UPDATE, 0, fwd);
-                self.rx_ctrl.push_back(r);
+                self.push_ctrl(r);
             }
             op::SHUTDOWN => {
                 if hdr.flags & SHUTDOWN_SEND != 0 {
@@ -486,7 +537,7 @@ impl Vsock {
         }
         for (key, fwd) in updates {
             let h = self.to_guest(key, op::CREDIT_UPDATE, 0, fwd);
-            self.rx_ctrl.push_back(h);
+            self.push_ctrl(h);
         }
         Ok(())
     }
@@ -538,12 +589,17 @@ impl Vsock {
                     if self.conns.len() >= MAX_CONNS {
                         continue;
                     }
+                    if self.ctrl_full() {
+                        // No room for the REQUEST: refuse (the host sees EOF) instead.
+                        self.count_ctrl_drop("host connection");
+                        continue;
+                    }
                     let host_port = self.alloc_host_port(guest_port);
                     let key = (host_port, guest_port);
                     self.conns
                         .insert(key, Conn::new(hs.stream, ConnState::Connecting));
                     let h = self.to_guest(key, op::REQUEST, 0, 0);
-                    self.rx_ctrl.push_back(h);
+                    self.push_ctrl(h);
                 }
             }
         }
@@ -614,7 +670,10 @@ impl Vsock {
         // The host closed: tell the guest it will get and take nothing more.
         for key in dead {
             let h = self.to_guest(key, op::SHUTDOWN, SHUTDOWN_RCV | SHUTDOWN_SEND, 0);
-            self.rx_ctrl.push_back(h);
+            if !self.push_ctrl(h) {
+                // The guest cannot be told: forget the connection rather than keep it around.
+                self.conns.remove(&key);
+            }
         }
         out
     }
@@ -1085,6 +1144,57 @@ mod tests {
         let tiny = e.d.alloc(8);
         e.d.add_chain(RX_QUEUE, &[(tiny, 8, true)]);
         e.guest_send(g(9, 7777, op::REQUEST, 100, 0), &[]);
+        assert!(!e.t.needs_reset());
+        drop(listener);
+        let _ = std::fs::remove_file(&lpath);
+    }
+
+    #[test]
+    fn a_guest_that_never_drains_rx_cannot_grow_the_control_queue() {
+        let mut e = setup();
+        let lpath = format!("{}_6100", e.path.display());
+        let listener = UnixListener::bind(&lpath).unwrap();
+        listener.set_nonblocking(true).unwrap();
+        // No rx buffers posted: every reply the guest provokes stays queued.
+        let extra = 300;
+        for i in 0..(MAX_RX_CTRL + extra) as u32 {
+            // Data for a connection that does not exist: each one asks for a RST.
+            e.guest_send(g(10_000 + i, 6100, op::RW, 100, 0), b"z");
+        }
+        assert_eq!(e.t.device().pending_ctrl(), MAX_RX_CTRL);
+        assert_eq!(e.t.device().ctrl_dropped(), extra as u64);
+        // Credit requests and datagram-type packets are capped the same way.
+        e.guest_send(g(1, 6100, op::CREDIT_REQUEST, 100, 0), &[]);
+        let mut dgram = g(2, 6100, op::REQUEST, 100, 0);
+        dgram.type_ = 2;
+        e.guest_send(dgram, &[]);
+        assert_eq!(e.t.device().pending_ctrl(), MAX_RX_CTRL);
+        // While full, a connection request opens nothing (its RESPONSE could not be sent)...
+        e.guest_send(g(3, 6100, op::REQUEST, 100, 0), &[]);
+        assert_eq!(e.t.device().connection_count(), 0);
+        assert!(listener.accept().is_err(), "no host connection was made");
+        // ...and a host connection is refused (EOF) instead of queueing a REQUEST.
+        let mut host = UnixStream::connect(&e.path).unwrap();
+        host.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        host.write_all(b"CONNECT 1234\n").unwrap();
+        for _ in 0..20 {
+            e.t.process_backend();
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let mut b = [0u8; 1];
+        assert_eq!(host.read(&mut b).unwrap_or(0), 0, "host connection refused");
+        assert_eq!(e.t.device().pending_ctrl(), MAX_RX_CTRL);
+        assert_eq!(e.t.device().connection_count(), 0);
+        let dropped = e.t.device().ctrl_dropped();
+        assert_eq!(dropped, extra as u64 + 4);
+        // Once the guest drains, the queued replies go out, oldest first, and the queue shrinks.
+        e.post_rx(16);
+        e.d.notify(&mut e.t, RX_QUEUE);
+        let p = e.take_rx();
+        assert_eq!(p.len(), 16);
+        assert!(p.iter().all(|(h, _)| h.op == op::RST));
+        assert_eq!(p[0].0.dst_port, 10_000);
+        assert_eq!(e.t.device().pending_ctrl(), MAX_RX_CTRL - 16);
         assert!(!e.t.needs_reset());
         drop(listener);
         let _ = std::fs::remove_file(&lpath);
