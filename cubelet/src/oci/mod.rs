@@ -2,6 +2,11 @@
 //! (either the classic `manifest.json` form or the OCI layout form newer Docker writes).
 //! Layers are applied in order with whiteouts (`.wh.<name>` and opaque `.wh..wh..opq`).
 
+mod beneath;
+mod layer;
+
+pub use layer::apply_layer;
+
 use serde::Deserialize;
 use std::io::Read;
 use std::path::{Component, Path, PathBuf};
@@ -79,24 +84,47 @@ fn blob(layout: &Path, digest: &str) -> std::io::Result<PathBuf> {
 /// Resolves `path` (layout dir or tarball) to (config json, ordered layer files). A tarball is
 /// first unpacked into `scratch`.
 fn resolve(path: &Path, scratch: &Path) -> std::io::Result<(Vec<u8>, Vec<PathBuf>)> {
-    let dir = if path.is_dir() {
+    let unpacked = !path.is_dir();
+    let canon_scratch = if unpacked {
+        std::fs::create_dir_all(scratch)?;
+        Some(scratch.canonicalize()?)
+    } else {
+        None
+    };
+    // Files named by an unpacked archive must stay inside it: classic `docker save` links
+    // duplicate layers with relative symlinks, but a link to a host file would pull that file
+    // into the image. Nothing else writes to the scratch dir, so checking once is enough.
+    let pin = |p: PathBuf| -> std::io::Result<PathBuf> {
+        let Some(base) = &canon_scratch else {
+            return Ok(p);
+        };
+        let c = p
+            .canonicalize()
+            .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", p.display())))?;
+        if !c.starts_with(base) || !c.is_file() {
+            return Err(bad(format!(
+                "{}: points outside the archive or is not a regular file",
+                p.display()
+            )));
+        }
+        Ok(c)
+    };
+    let dir = if !unpacked {
         path.to_path_buf()
     } else {
         let f = std::fs::File::open(path)?;
-        let mut ar = tar::Archive::new(f);
-        std::fs::create_dir_all(scratch)?;
-        ar.unpack(scratch)
-            .map_err(|e| bad(format!("unpacking {}: {e}", path.display())))?;
+        // The archive is as untrusted as its layers: same confined extraction.
+        layer::extract_archive(f, scratch, &path.display().to_string())?;
         scratch.to_path_buf()
     };
     if dir.join("index.json").exists() {
-        let idx: Index = serde_json::from_slice(&std::fs::read(dir.join("index.json"))?)
+        let idx: Index = serde_json::from_slice(&std::fs::read(pin(dir.join("index.json"))?)?)
             .map_err(|e| bad(format!("index.json: {e}")))?;
         let mut desc = idx
             .manifests
             .first()
             .ok_or_else(|| bad("index.json lists no manifests"))?;
-        let mut raw = std::fs::read(blob(&dir, &desc.digest)?)?;
+        let mut raw = std::fs::read(pin(blob(&dir, &desc.digest)?)?)?;
         // A nested index (multi-platform): take the linux/amd64-agnostic first entry.
         let nested: Option<Index> = if desc.media_type.contains("index") {
             serde_json::from_slice(&raw).ok()
@@ -110,21 +138,21 @@ fn resolve(path: &Path, scratch: &Path) -> std::io::Result<(Vec<u8>, Vec<PathBuf
                 .manifests
                 .first()
                 .ok_or_else(|| bad("nested index lists no manifests"))?;
-            raw = std::fs::read(blob(&dir, &desc.digest)?)?;
+            raw = std::fs::read(pin(blob(&dir, &desc.digest)?)?)?;
         }
         let m: Manifest =
             serde_json::from_slice(&raw).map_err(|e| bad(format!("manifest: {e}")))?;
-        let cfg = std::fs::read(blob(&dir, &m.config.digest)?)?;
+        let cfg = std::fs::read(pin(blob(&dir, &m.config.digest)?)?)?;
         let layers = m
             .layers
             .iter()
-            .map(|l| blob(&dir, &l.digest))
+            .map(|l| pin(blob(&dir, &l.digest)?))
             .collect::<std::io::Result<Vec<_>>>()?;
         return Ok((cfg, layers));
     }
     if dir.join("manifest.json").exists() {
         let ms: Vec<DockerManifest> =
-            serde_json::from_slice(&std::fs::read(dir.join("manifest.json"))?)
+            serde_json::from_slice(&std::fs::read(pin(dir.join("manifest.json"))?)?)
                 .map_err(|e| bad(format!("manifest.json: {e}")))?;
         let m = ms.first().ok_or_else(|| bad("manifest.json is empty"))?;
         let safe = |p: &str| -> std::io::Result<PathBuf> {
@@ -132,7 +160,7 @@ fn resolve(path: &Path, scratch: &Path) -> std::io::Result<(Vec<u8>, Vec<PathBuf
             if pb.components().any(|c| !matches!(c, Component::Normal(_))) {
                 return Err(bad(format!("unsafe path {p:?} in manifest.json")));
             }
-            Ok(dir.join(pb))
+            pin(dir.join(pb))
         };
         let cfg = std::fs::read(safe(&m.config)?)?;
         let layers = m
@@ -163,93 +191,6 @@ fn open_layer(p: &Path) -> std::io::Result<Box<dyn Read>> {
         )));
     }
     Ok(Box::new(f))
-}
-
-fn clean(p: &Path) -> Option<PathBuf> {
-    let mut out = PathBuf::new();
-    for c in p.components() {
-        match c {
-            Component::Normal(x) => out.push(x),
-            Component::CurDir | Component::RootDir => {}
-            _ => return None,
-        }
-    }
-    Some(out)
-}
-
-fn remove_any(p: &Path) {
-    match std::fs::symlink_metadata(p) {
-        Ok(m) if m.is_dir() => {
-            let _ = std::fs::remove_dir_all(p);
-        }
-        Ok(_) => {
-            let _ = std::fs::remove_file(p);
-        }
-        Err(_) => {}
-    }
-}
-
-/// Applies one layer onto `root`.
-pub fn apply_layer(layer: &Path, root: &Path) -> std::io::Result<()> {
-    // Pass 1: whiteouts delete lower-layer content before this layer's files land.
-    let mut ar = tar::Archive::new(open_layer(layer)?);
-    for e in ar.entries()? {
-        let e = e?;
-        let p = e.path()?.into_owned();
-        let Some(p) = clean(&p) else { continue };
-        let Some(name) = p.file_name().and_then(|n| n.to_str()) else {
-            continue;
-        };
-        let parent = p.parent().unwrap_or(Path::new(""));
-        if name == ".wh..wh..opq" {
-            if let Ok(rd) = std::fs::read_dir(root.join(parent)) {
-                for c in rd.flatten() {
-                    remove_any(&c.path());
-                }
-            }
-        } else if let Some(target) = name.strip_prefix(".wh.") {
-            remove_any(&root.join(parent).join(target));
-        }
-    }
-    // Pass 2: contents.
-    let mut ar = tar::Archive::new(open_layer(layer)?);
-    ar.set_preserve_permissions(true);
-    ar.set_preserve_ownerships(true);
-    ar.set_overwrite(true);
-    ar.set_unpack_xattrs(false);
-    for e in ar.entries()? {
-        let mut e = e?;
-        let p = e.path()?.into_owned();
-        let Some(cp) = clean(&p) else {
-            return Err(bad(format!(
-                "layer {}: unsafe path {}",
-                layer.display(),
-                p.display()
-            )));
-        };
-        let name = cp.file_name().and_then(|n| n.to_str()).unwrap_or("");
-        if name.starts_with(".wh.") {
-            continue;
-        }
-        let dst = root.join(&cp);
-        let is_dir = e.header().entry_type().is_dir();
-        if let Ok(m) = std::fs::symlink_metadata(&dst) {
-            if m.is_dir() != is_dir || (!is_dir && m.file_type().is_symlink()) {
-                remove_any(&dst);
-            }
-        }
-        e.unpack_in(root).map_err(|err| {
-            let cause = std::error::Error::source(&err)
-                .map(|s| format!(": {s}"))
-                .unwrap_or_default();
-            bad(format!(
-                "layer {}: {}: {err}{cause}",
-                layer.display(),
-                cp.display()
-            ))
-        })?;
-    }
-    Ok(())
 }
 
 /// Unpacks the image at `path` into `root` and returns its config.
@@ -395,6 +336,50 @@ mod tests {
         assert_eq!(std::fs::read(root.join("etc/hello")).unwrap(), b"hi\n");
         assert_eq!(c.entrypoint, vec!["/entry"]);
         assert_eq!(c.workdir, "/app");
+    }
+
+    #[test]
+    fn docker_save_links_must_stay_inside_the_archive() {
+        let d = tempfile::tempdir().unwrap();
+        let outside = d.path().join("host-secret.json");
+        std::fs::write(&outside, br#"{"config": {"Env": ["SECRET=1"]}}"#).unwrap();
+        let build = |cfg_link: &str| {
+            let manifest = br#"[{"Config": "cfg.json", "Layers": ["b/layer.tar"]}]"#;
+            let layer = tar::Builder::new(Vec::new()).into_inner().unwrap();
+            let mut outer = tar::Builder::new(Vec::new());
+            for (p, data) in [
+                ("manifest.json", &manifest[..]),
+                ("a/layer.tar", &layer[..]),
+            ] {
+                let mut h = tar::Header::new_gnu();
+                h.set_size(data.len() as u64);
+                h.set_mode(0o644);
+                h.set_uid(0);
+                h.set_gid(0);
+                h.set_mtime(0);
+                outer.append_data(&mut h, p, data).unwrap();
+            }
+            for (p, t) in [("b/layer.tar", "../a/layer.tar"), ("cfg.json", cfg_link)] {
+                let mut h = tar::Header::new_gnu();
+                h.set_entry_type(tar::EntryType::Symlink);
+                h.set_size(0);
+                h.set_mode(0o777);
+                h.set_uid(0);
+                h.set_gid(0);
+                h.set_mtime(0);
+                outer.append_link(&mut h, p, t).unwrap();
+            }
+            outer.into_inner().unwrap()
+        };
+        let tarball = d.path().join("img.tar");
+        // Relative links inside the archive (duplicate layers) are fine...
+        std::fs::write(&tarball, build("a/layer.tar")).unwrap();
+        let err = unpack_image(&tarball, &d.path().join("r1"), &d.path().join("s1")).unwrap_err();
+        assert!(err.to_string().contains("image config"), "{err}");
+        // ...a link to a host file is not.
+        std::fs::write(&tarball, build(outside.to_str().unwrap())).unwrap();
+        let err = unpack_image(&tarball, &d.path().join("r2"), &d.path().join("s2")).unwrap_err();
+        assert!(err.to_string().contains("outside the archive"), "{err}");
     }
 
     #[test]
