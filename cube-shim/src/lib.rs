@@ -8,9 +8,12 @@
 //! also bound to that template ahead of time (memory mapped, files open and checked), so that
 //! restoring it only loads vCPU/VM state.
 //!
-//! With `--jail-root DIR` (and `--jail-bind PATH`…) the shim confines itself to a private
-//! mount namespace holding only what it needs ([`jail::enter_mount_jail`]) before it creates
-//! the VM. With `--build-template DIR` it does not serve: it boots the agent stand-in test guest
+//! With `--jail-root DIR` (and `--jail-own DIR`, `--jail-bind-ro PATH`…) the shim confines
+//! itself before it creates the VM ([`jail`]): a private mount namespace rooted (`pivot_root`)
+//! at a tmpfs holding only its devices, its own work directory and its template; a PID
+//! namespace of its own (with its own `/proc`); its own unprivileged uid with every capability
+//! set empty; then seccomp with `ioctl` and `clone` argument filters. The hidden
+//! `--self-test-escapes` flag is a test aid that probes that jail from inside ([`probe`]). With `--build-template DIR` it does not serve: it boots the agent stand-in test guest
 //! once, snapshots it at its ready point into `DIR` and exits ([`template`]).
 //!
 //! # Control API (version 1)
@@ -60,6 +63,7 @@
 pub mod client;
 pub mod devices;
 pub mod jail;
+pub mod probe;
 pub mod protocol;
 pub mod sandbox;
 pub mod server;

@@ -36,13 +36,37 @@ struct Args {
     /// Skip the seccomp filter (debugging only).
     #[arg(long)]
     no_seccomp: bool,
-    /// Confine the shim to a private mount namespace rooted at this (empty) directory, holding
-    /// only /dev/kvm, /dev/net/tun, /proc and the --jail-bind paths.
+    /// Jail the shim (see `cube_shim::jail`): a private mount namespace rooted (pivot_root) at
+    /// this (empty) directory, holding only /dev/kvm, /dev/net/tun, its own /proc and the
+    /// --jail-* paths; its own PID namespace; its own unprivileged uid, no capabilities.
     #[arg(long)]
     jail_root: Option<PathBuf>,
-    /// Absolute path visible inside the jail at the same path (repeat).
+    /// Absolute path visible read-write inside the jail at the same path (repeat; tests and
+    /// debugging).
     #[arg(long, requires = "jail_root")]
     jail_bind: Vec<PathBuf>,
+    /// Absolute path visible read-only inside the jail at the same path (repeat): the
+    /// template snapshot.
+    #[arg(long, requires = "jail_root")]
+    jail_bind_ro: Vec<PathBuf>,
+    /// The shim's own work directory (repeat): visible read-write inside the jail at the same
+    /// path and handed to the shim's uid. Holds its control socket, vsock sockets, pause and
+    /// snapshot output and the sandbox's disk (cubelet links it in).
+    #[arg(long, requires = "jail_root")]
+    jail_own: Vec<PathBuf>,
+    /// Test aid: set up exactly as for serving, then run the escape probes of
+    /// `cube_shim::probe`, print their JSON report and exit instead of serving.
+    #[arg(long, hide = true)]
+    self_test_escapes: bool,
+    /// Test aid: a host file the probes try to open (repeat).
+    #[arg(long, hide = true, requires = "self_test_escapes")]
+    self_test_path: Vec<PathBuf>,
+    /// Test aid: a unix socket the probes try to connect to (repeat).
+    #[arg(long, hide = true, requires = "self_test_escapes")]
+    self_test_socket: Vec<PathBuf>,
+    /// Test aid: after the report, make this attempt the filter kills for.
+    #[arg(long, hide = true, requires = "self_test_escapes")]
+    self_test_fatal: Option<String>,
     /// Build mode: boot the agent stand-in guest of this shape, wait for its ready point,
     /// snapshot it into this directory, and exit (no control socket).
     #[arg(long)]
@@ -137,12 +161,40 @@ fn run(args: Args) -> anyhow::Result<()> {
             .with_context(|| format!("join cgroup {name}"))?;
         tracing::info!(?dirs, "joined cgroup");
     }
-    if let Some(root) = &args.jail_root {
-        // Before the VM shell exists: later threads inherit the namespace and root.
-        jail::enter_mount_jail(root, &args.jail_bind)
-            .with_context(|| format!("jail at {}", root.display()))?;
+    let mut host_pid = std::process::id();
+    let vmm = match &args.jail_root {
+        None => None,
+        Some(root) => {
+            let id = jail::shim_id(host_pid);
+            let spec = jail::JailSpec {
+                root,
+                binds: &args.jail_bind,
+                binds_ro: &args.jail_bind_ro,
+                own: &args.jail_own,
+                id,
+            };
+            // Single-threaded until the VM shell exists: the namespaces, root and credentials
+            // set here are then shared by every thread.
+            jail::ensure_single_threaded()?;
+            jail::enter_mount_jail(&spec).with_context(|| format!("jail at {}", root.display()))?;
+            // From here on this is PID 1 of its own namespace (the caller waits outside).
+            let pidns = jail::enter_pid_ns(id)?;
+            host_pid = pidns.host_pid;
+            jail::mount_proc()?;
+            // /dev/kvm (and /proc/cpuinfo for the CPU model hash) while still privileged.
+            let vmm = cube_hypervisor::Vmm::new().context("open KVM")?;
+            jail::restrict_proc()?;
+            jail::drop_privileges(id, true)?;
+            pidns.die_with_supervisor()?;
+            Some(vmm)
+        }
+    };
+    let mut sandbox = match vmm {
+        Some(vmm) => Sandbox::with_vmm(vmm, shape),
+        None => Sandbox::new(shape),
     }
-    let mut sandbox = Sandbox::new(shape).context("create the VM shell")?;
+    .context("create the VM shell")?;
+    sandbox.host_pid = host_pid;
     if let Some(t) = &args.template {
         sandbox
             .prepare(t)
@@ -158,6 +210,21 @@ fn run(args: Args) -> anyhow::Result<()> {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .seccomp = true;
+    }
+    if args.self_test_escapes {
+        let report = cube_shim::probe::run(&cube_shim::probe::Targets {
+            paths: args.self_test_path.clone(),
+            sockets: args.self_test_socket.clone(),
+            read_only: args.jail_bind_ro.clone(),
+        });
+        println!("{report}");
+        if let Some(name) = &args.self_test_fatal {
+            use std::io::Write;
+            let _ = std::io::stdout().flush();
+            println!("{}", cube_shim::probe::fatal(name));
+            std::process::exit(3);
+        }
+        return Ok(());
     }
     tracing::info!(socket = %socket.display(), jail = args.jail_root.is_some(), vcpus = args.vcpus, mem_mib = args.mem_mib, seccomp = !args.no_seccomp, "ready");
     server.run().context("serve")?;

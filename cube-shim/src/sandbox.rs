@@ -29,6 +29,9 @@ pub struct Sandbox {
     checkpoints: Vec<u32>,
     /// Whether the seccomp filter is on (reported by `ping`).
     pub seccomp: bool,
+    /// The pid `ping` reports: the host pid cubelet tracks (in a PID namespace of its own the
+    /// shim is PID 1 and its supervisor holds that pid, see [`crate::jail::enter_pid_ns`]).
+    pub host_pid: u32,
     /// Set by `stop`: the server exits after answering.
     pub stopping: bool,
 }
@@ -53,7 +56,12 @@ fn wrong_state(op: &str, state: SandboxState) -> ErrorReply {
 impl Sandbox {
     /// Opens KVM and pre-creates the shell (the slow part, done before any request).
     pub fn new(shape: Shape) -> Result<Sandbox, Error> {
-        let vmm = Vmm::new()?;
+        Sandbox::with_vmm(Vmm::new()?, shape)
+    }
+
+    /// Pre-creates the shell on a KVM opened earlier (the jailed shim opens `/dev/kvm` before
+    /// it drops its privileges, and creates the shell, with its threads, after).
+    pub fn with_vmm(vmm: Vmm, shape: Shape) -> Result<Sandbox, Error> {
         let shell = VmShell::new(&vmm, shape)?;
         Ok(Sandbox {
             vmm,
@@ -66,6 +74,7 @@ impl Sandbox {
             guest: GuestStatus::Active,
             checkpoints: Vec::new(),
             seccomp: false,
+            host_pid: std::process::id(),
             stopping: false,
         })
     }
@@ -127,7 +136,7 @@ impl Sandbox {
         self.drain_events();
         let r = match op {
             Op::Ping => Ok(Reply::Pong {
-                pid: std::process::id(),
+                pid: self.host_pid,
                 shape: ShapeInfo {
                     vcpus: self.shape.vcpus,
                     mem_mib: self.shape.mem_mib,

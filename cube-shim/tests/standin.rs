@@ -97,22 +97,30 @@ fn the_standin_template_restores_in_a_jailed_shim_and_asks_for_fresh_inits() {
         .collect();
     assert!(!names.iter().any(|n| n.starts_with(".build")), "{names:?}");
 
-    // A jailed shim: only /dev/kvm, /dev/net/tun, /proc and /dev/shm (sockets, template) inside.
+    // A jailed shim: only /dev/kvm, /dev/net/tun, its /proc, its own work directory (socket,
+    // disk, vsock, pause output) and the template (read-only) inside; its own uid.
     let jail = tempfile::Builder::new()
         .prefix("cube-shim-jail-")
         .tempdir_in("/var/tmp")
         .unwrap();
     let root = jail.path().join("root");
-    let shim = Shim::spawn_with(
+    let own = work.path().join("own");
+    std::fs::create_dir(&own).unwrap();
+    let shim = Shim::try_spawn_at(
         shape,
+        &own.join("ctl.sock"),
         &[
             "--jail-root",
             root.to_str().unwrap(),
-            "--jail-bind",
-            "/dev/shm",
+            "--jail-own",
+            own.to_str().unwrap(),
+            "--jail-bind-ro",
+            tpl.to_str().unwrap(),
         ],
-    );
+    )
+    .expect("jailed shim starts");
     let pid = shim.pid();
+    let uid = cube_shim::jail::shim_id(pid);
     let mut top: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/root"))
         .unwrap()
         .flatten()
@@ -137,12 +145,19 @@ fn the_standin_template_restores_in_a_jailed_shim_and_asks_for_fresh_inits() {
         !mounts.contains(root.to_str().unwrap()),
         "jail leaked a mount"
     );
+    // The work directory is the shim's; the VMM runs as that uid.
+    use std::os::unix::fs::MetadataExt;
+    assert_eq!(std::fs::metadata(&own).unwrap().uid(), uid);
+    let chown = |p: &std::path::Path| std::os::unix::fs::chown(p, Some(uid), Some(uid)).unwrap();
 
-    let vsock = work.path().join("v.sock");
-    let listener = UnixListener::bind(format!("{}_{STANDIN_INIT_PORT}", vsock.display())).unwrap();
+    let vsock = own.join("v.sock");
+    let init_sock = format!("{}_{STANDIN_INIT_PORT}", vsock.display());
+    let listener = UnixListener::bind(&init_sock).unwrap();
+    chown(std::path::Path::new(&init_sock));
     let host = serve(listener, 2);
-    let sandbox_disk = work.path().join("sandbox.img");
+    let sandbox_disk = own.join("sandbox.img");
     std::fs::copy(&disk, &sandbox_disk).unwrap();
+    chown(&sandbox_disk);
     let mut c = shim.client();
     // The template has a net device: without a tap the restore is refused, shell kept.
     let e = c
@@ -157,7 +172,8 @@ fn the_standin_template_restores_in_a_jailed_shim_and_asks_for_fresh_inits() {
     // A persistent tap for the net device.
     let tap = format!("cst{}", std::process::id() % 1_000_000);
     let ok = std::process::Command::new("ip")
-        .args(["tuntap", "add", "dev", &tap, "mode", "tap"])
+        .args(["tuntap", "add", "dev", &tap, "mode", "tap", "user"])
+        .arg(uid.to_string())
         .status()
         .unwrap()
         .success();
@@ -196,7 +212,7 @@ fn the_standin_template_restores_in_a_jailed_shim_and_asks_for_fresh_inits() {
     assert_eq!(w[2], 0xa0a0_a0a0_a0a0_a0a0);
 
     // Pause to disk inside the jail, resume: the guest wakes and takes a second init.
-    let pause = work.path().join("pause");
+    let pause = own.join("pause");
     c.call(Op::PauseToDisk { dir: pause.clone() }).unwrap();
     c.call(Op::Resume {
         dir: Some(pause),

@@ -104,7 +104,7 @@ pub fn spin_template(dir: &Path, shape: Shape) {
 pub struct Shim {
     pub child: Child,
     pub socket: PathBuf,
-    _dir: tempfile::TempDir,
+    _dir: Option<tempfile::TempDir>,
 }
 
 impl Shim {
@@ -119,6 +119,15 @@ impl Shim {
     pub fn try_spawn(shape: Shape, extra: &[&str]) -> Result<Shim, String> {
         let dir = tmpdir("sock");
         let socket = dir.path().join("shim.sock");
+        let mut s = Self::try_spawn_at(shape, &socket, extra)?;
+        s._dir = Some(dir);
+        Ok(s)
+    }
+
+    /// A shim whose control socket is `socket` (for a jailed shim: inside its `--jail-own`
+    /// directory, the only place it can create one).
+    pub fn try_spawn_at(shape: Shape, socket: &Path, extra: &[&str]) -> Result<Shim, String> {
+        let socket = socket.to_path_buf();
         let mut child = Command::new(env!("CARGO_BIN_EXE_cube-shim"))
             .arg("--vcpus")
             .arg(shape.vcpus.to_string())
@@ -149,7 +158,7 @@ impl Shim {
         Ok(Shim {
             child,
             socket,
-            _dir: dir,
+            _dir: None,
         })
     }
 

@@ -53,7 +53,8 @@ impl Microvm {
         let cfg = &host.cfg;
         let shims_dir = cfg.run_dir.join("shims");
         let roots_dir = cfg.run_dir.join("shim-roots");
-        for d in [&shims_dir, &roots_dir, &cfg.data_dir] {
+        let work_dir = cfg.data_dir.join("shim-work");
+        for d in [&shims_dir, &roots_dir, &cfg.data_dir, &work_dir] {
             std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
         }
         let abs = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
@@ -61,7 +62,7 @@ impl Microvm {
             binary: cfg.microvm.shim_binary.clone(),
             shims_dir: abs(&shims_dir),
             roots_dir: abs(&roots_dir),
-            binds: vec![abs(&cfg.data_dir), abs(&shims_dir)],
+            work_dir: abs(&work_dir),
             jail: cfg.microvm.jail,
             cgroup_root: cfg.cgroup.root.clone(),
             cgroup_parent: cfg.cgroup.parent.clone(),
@@ -278,7 +279,12 @@ impl Microvm {
         self.host.phase("shim", shim_t);
         self.host.phase("disk", disk_t);
         self.host.phase("tap", tap_t);
-        let vsock = paths.dir.join("v.sock");
+        // The shim's sockets live in its work directory (the only place its jail can create
+        // one); the sandbox directory keeps a link to the control socket.
+        let vsock = shim_r
+            .as_ref()
+            .map(|s| s.work.join(VSOCK))
+            .unwrap_or_else(|_| paths.dir.join(VSOCK));
         let body = spec.init.clone();
         let mut mv = MicroVmState {
             socket: PathBuf::new(),
@@ -316,9 +322,15 @@ impl Microvm {
         disk_r?;
         let (tap, _) = tap_r.map_err(|e| NodeError::Internal(format!("tap: {e}")))?;
         let _ = std::os::unix::fs::symlink(&shim.socket, paths.dir.join("shim.sock"));
-        let responder = InitResponder::start(&vsock, body).map_err(mvm_err("init channel"))?;
+        let disk_path = give_disk(&paths.disk(), &shim.work, shim.uid)?;
+        if let Some(uid) = shim.uid {
+            tap_pool::set_owner(&tap, uid)
+                .map_err(|e| NodeError::Internal(format!("hand the tap to the shim: {e}")))?;
+        }
+        let responder =
+            InitResponder::start(&vsock, body, shim.uid).map_err(mvm_err("init channel"))?;
         let tr = Instant::now();
-        let (socket, disk_path) = (shim.socket.clone(), paths.disk());
+        let socket = shim.socket.clone();
         let restored = blocking(move || {
             microvm::call(
                 &socket,
@@ -365,7 +377,10 @@ impl Microvm {
         let p = self;
         let id = st.id.clone();
         let mv = microvm_state(st)?.clone();
-        let dir = self.host.paths_for(&id).dir;
+        let sandbox_dir = self.host.paths_for(&id).dir;
+        // Where the shim may write: its work directory (the one holding its vsock socket);
+        // for a shim started before work directories existed, the sandbox directory.
+        let dir = work_of(&mv, &sandbox_dir);
         if pause {
             let pdir = dir.join(format!("pause-{}", mv.inits));
             let _ = std::fs::remove_dir_all(&pdir);
@@ -391,15 +406,18 @@ impl Microvm {
         // The guest asks for a fresh init (clock, entropy) as soon as it runs again.
         let responder = match p.responders.lock().ok().and_then(|mut r| r.remove(&id)) {
             Some(r) => r,
-            None => {
-                InitResponder::start(&mv.vsock, mv.init.clone()).map_err(mvm_err("init channel"))?
-            }
+            None => InitResponder::start(&mv.vsock, mv.init.clone(), p.spawner.uid_of(st.pid))
+                .map_err(mvm_err("init channel"))?,
         };
         responder.drain();
         let (socket, d2, disk, tap, vsock) = (
             mv.socket.clone(),
             pdir.clone(),
-            self.host.paths_for(&id).disk(),
+            if dir == sandbox_dir {
+                self.host.paths_for(&id).disk()
+            } else {
+                dir.join(SANDBOX_DISK)
+            },
             mv.tap.clone(),
             mv.vsock.clone(),
         );
@@ -461,7 +479,9 @@ impl Microvm {
         std::fs::create_dir_all(&staging).map_err(|e| NodeError::Internal(e.to_string()))?;
         let tag = new_key();
         let disk_tmp = staging.join(format!("snap-{}-{tag}.ext4", st.id));
-        let mem_tmp = staging.join(format!("snap-{}-{tag}.mem", st.id));
+        // Written by the shim, so in its work directory; moved into the template store below.
+        let mem_tmp =
+            work_of(&mv, &self.host.paths_for(&st.id).dir).join(format!("snap-{tag}.mem"));
         let (socket, disk, d2, m2) = (
             mv.socket.clone(),
             self.host.paths_for(&st.id).disk(),
@@ -539,6 +559,11 @@ impl Microvm {
         }
         std::fs::rename(&mem_tmp, &out)
             .map_err(|e| NodeError::Internal(format!("install snapshot: {e}")))?;
+        // Out of the shim's reach now: the template belongs to root, not to the shim's uid.
+        if self.spawner.jail {
+            microvm::chown_tree_to_root(&out)
+                .map_err(|e| NodeError::Internal(format!("snapshot ownership: {e}")))?;
+        }
         // Warm shims prepared for a replaced snapshot would restore stale memory.
         for s in self.pool.drain(Some(&out)) {
             self.discard_shim(s);
@@ -578,7 +603,7 @@ impl Microvm {
                 return false;
             }
         }
-        match InitResponder::start(&mv.vsock, mv.init.clone()) {
+        match InitResponder::start(&mv.vsock, mv.init.clone(), p.spawner.uid_of(st.pid)) {
             Ok(r) => {
                 if let Ok(mut m) = p.responders.lock() {
                     m.insert(st.id.clone(), r);
@@ -596,6 +621,14 @@ impl Microvm {
     fn reap_microvm_leftovers(&self, live: &[SandboxState]) {
         let keep_taps: Vec<String> = live_taps(live);
         self.taps.reap_except(&keep_taps);
+        if let Ok(rd) = std::fs::read_dir(&self.spawner.work_dir) {
+            for e in rd.flatten() {
+                let key = e.file_name().to_string_lossy().to_string();
+                if !live.iter().any(|s| s.key == key) {
+                    let _ = std::fs::remove_dir_all(e.path());
+                }
+            }
+        }
         for d in [&self.spawner.shims_dir, &self.spawner.roots_dir] {
             let Ok(rd) = std::fs::read_dir(d) else {
                 continue;
@@ -749,6 +782,38 @@ impl Microvm {
             ))),
         }
     }
+}
+
+/// The sandbox's vsock socket in its shim's work directory.
+const VSOCK: &str = "v.sock";
+/// The sandbox's disk as its shim sees it: a hard link in the work directory.
+const SANDBOX_DISK: &str = "disk.ext4";
+
+/// The directory a sandbox's shim writes to (the one its vsock socket is in).
+fn work_of(mv: &MicroVmState, sandbox_dir: &Path) -> PathBuf {
+    mv.vsock
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| sandbox_dir.to_path_buf())
+}
+
+/// Puts the sandbox's disk where its shim can open it: a hard link in the shim's work
+/// directory (same filesystem: both under the data directory), the inode handed to the shim's
+/// uid when jailed. Returns the path to send in `restore`.
+fn give_disk(disk: &Path, work: &Path, uid: Option<u32>) -> Result<PathBuf, NodeError> {
+    let link = work.join(SANDBOX_DISK);
+    let _ = std::fs::remove_file(&link);
+    std::fs::hard_link(disk, &link).map_err(|e| {
+        NodeError::Internal(format!(
+            "link {} into the shim's directory: {e}",
+            disk.display()
+        ))
+    })?;
+    if let Some(uid) = uid {
+        microvm::hand_to(&link, uid)
+            .map_err(|e| NodeError::Internal(format!("hand the disk to the shim: {e}")))?;
+    }
+    Ok(link)
 }
 
 fn microvm_state(st: &SandboxState) -> Result<&MicroVmState, NodeError> {

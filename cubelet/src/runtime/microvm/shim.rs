@@ -2,8 +2,25 @@
 //! microVM restored from the template's memory snapshot.
 //!
 //! Pieces (the runtime, `mod.rs`, wires them into its operations):
-//! * [`ShimSpawner`]: starts shims (jailed: own cgroup with the shape's limits, mount namespace,
-//!   seccomp, no new privileges) and waits for their control socket.
+//! * [`ShimSpawner`]: starts shims (jailed: own cgroup with the shape's limits, mount namespace
+//!   with `pivot_root`, PID namespace, own uid without capabilities, seccomp, no new
+//!   privileges; see `cube_shim::jail`) and waits for their control socket.
+//!
+//! # What a jailed shim can reach
+//! Only its own **work directory**, `<data_dir>/shim-work/<key>/` ([`ShimSpawner::work_for`]),
+//! bound read-write and handed to the shim's uid (`cube_shim::jail::shim_id` of its pid: the
+//! range `SHIM_ID_BASE..+SHIM_ID_COUNT`, one uid per live shim), and the template snapshot it
+//! was started for, read-only. Shims are started before a sandbox is assigned (the pool), so
+//! the work directory is what cubelet fills at assignment: it holds the control socket, the
+//! sandbox's disk as a **hard link** to `sandboxes/<id>/disk.ext4` (same inode, chowned to the
+//! shim's uid: the shim opens the one file it needs by a path inside its jail, and nothing
+//! has to be mounted into a running shim's namespace — same XFS, so the link always works),
+//! the vsock sockets (cubelet's init listener is chowned to the shim's uid so it may connect),
+//! pause-to-disk directories and snapshot output (moved into `templates/` and handed back to
+//! root by cubelet). The sandbox directory itself (state file, logs), other sandboxes, other
+//! shims' sockets and the node secret stay outside. A pooled tap belongs to root
+//! (`TUNSETOWNER 0`, so no shim can attach to one that is not its own) and is handed to the
+//! shim's uid when assigned ([`super::tap_pool::set_owner`]).
 //! * [`super::shim_pool::ShimPool`]: shims spawned ahead of time, VM shell created and the
 //!   template's memory already mapped, so a create only loads state.
 //! * [`InitResponder`]: the host end of the guest's init channel. The guest (today the shim's
@@ -60,6 +77,10 @@ pub struct SpawnedShim {
     pub pid_start: u64,
     pub socket: PathBuf,
     pub jail_root: Option<PathBuf>,
+    /// Its work directory ([`ShimSpawner::work_for`]).
+    pub work: PathBuf,
+    /// The uid (and gid) it runs as when jailed; `None` for an unjailed (root) shim.
+    pub uid: Option<u32>,
     pub child: Child,
 }
 
@@ -67,12 +88,13 @@ pub struct SpawnedShim {
 #[derive(Debug, Clone)]
 pub struct ShimSpawner {
     pub binary: PathBuf,
-    /// Sockets and logs.
+    /// Logs (and the control sockets of shims started before work directories existed).
     pub shims_dir: PathBuf,
     /// Jail roots (one empty directory per shim).
     pub roots_dir: PathBuf,
-    /// Paths every jail holds (the data directory, the sockets directory).
-    pub binds: Vec<PathBuf>,
+    /// Work directories, one per shim (on the data directory's filesystem: disks are hard
+    /// linked in, snapshots renamed out).
+    pub work_dir: PathBuf,
     pub jail: bool,
     pub cgroup_root: PathBuf,
     pub cgroup_parent: String,
@@ -80,8 +102,18 @@ pub struct ShimSpawner {
 }
 
 impl ShimSpawner {
+    /// The shim's own directory, the only writable place in its jail.
+    pub fn work_for(&self, key: &str) -> PathBuf {
+        self.work_dir.join(key)
+    }
+
     pub fn socket_for(&self, key: &str) -> PathBuf {
-        self.shims_dir.join(format!("{key}.sock"))
+        self.work_for(key).join("ctl.sock")
+    }
+
+    /// The uid a shim with host pid `pid` runs as, when shims are jailed.
+    pub fn uid_of(&self, pid: i32) -> Option<u32> {
+        (self.jail && pid > 0).then(|| cube_shim::jail::shim_id(pid as u32))
     }
 
     /// Spawns a shim for `shape` (optionally prepared for `template`) in cgroup
@@ -95,6 +127,9 @@ impl ShimSpawner {
         timeout: Duration,
     ) -> Result<SpawnedShim, MicroVmError> {
         let socket = self.socket_for(key);
+        let work = self.work_for(key);
+        // Fresh and empty: the shim hands it to its own uid.
+        std::fs::create_dir(&work)?;
         let log = std::fs::File::create(self.shims_dir.join(format!("{key}.log")))?;
         let mut cmd = Command::new(&self.binary);
         cmd.arg("--vcpus")
@@ -114,9 +149,9 @@ impl ShimSpawner {
         }
         let jail_root = self.jail.then(|| self.roots_dir.join(key));
         if let Some(r) = &jail_root {
-            cmd.arg("--jail-root").arg(r);
-            for b in &self.binds {
-                cmd.arg("--jail-bind").arg(b);
+            cmd.arg("--jail-root").arg(r).arg("--jail-own").arg(&work);
+            if let Some(t) = template {
+                cmd.arg("--jail-bind-ro").arg(t);
             }
         }
         cmd.env_clear()
@@ -172,16 +207,40 @@ impl ShimSpawner {
             pid_start,
             socket,
             jail_root,
+            work,
+            uid: self.uid_of(pid),
             child,
         })
     }
 
-    /// Removes what a shim left in the node's directories (socket, log, jail root).
+    /// Removes what a shim left in the node's directories (work directory with its socket,
+    /// disk link and pause directories; log; jail root).
     pub fn cleanup(&self, key: &str) {
-        let _ = std::fs::remove_file(self.socket_for(key));
+        if !key.is_empty() {
+            let _ = std::fs::remove_dir_all(self.work_for(key));
+        }
+        let _ = std::fs::remove_file(self.shims_dir.join(format!("{key}.sock")));
         let _ = std::fs::remove_file(self.shims_dir.join(format!("{key}.log")));
         let _ = std::fs::remove_dir(self.roots_dir.join(key));
     }
+}
+
+/// Hands `path` (not following a symlink) to the jailed shim's uid.
+pub fn hand_to(path: &Path, uid: u32) -> Result<(), MicroVmError> {
+    std::os::unix::fs::lchown(path, Some(uid), Some(uid))?;
+    Ok(())
+}
+
+/// Gives a snapshot directory a shim wrote (now a template, moved out of the shim's reach)
+/// back to root, so that a later shim that happens to get the same uid owns none of it. One
+/// level only, never following links: a snapshot is flat, and a shim that still holds a
+/// descriptor into it must not steer this elsewhere.
+pub fn chown_tree_to_root(dir: &Path) -> Result<(), MicroVmError> {
+    std::os::unix::fs::lchown(dir, Some(0), Some(0))?;
+    for e in std::fs::read_dir(dir)? {
+        std::os::unix::fs::lchown(e?.path(), Some(0), Some(0))?;
+    }
+    Ok(())
 }
 
 /// One call to a shim with a deadline (blocking; run it off the async threads).
@@ -393,13 +452,21 @@ impl InitResponder {
     }
 
     /// Binds (replacing a stale socket) and serves in a thread (blocked in `accept`, so an
-    /// idle sandbox costs no CPU) until dropped.
-    pub fn start(vsock: &Path, body: InitBody) -> Result<InitResponder, MicroVmError> {
+    /// idle sandbox costs no CPU) until dropped. `owner`: the jailed shim's uid, which needs
+    /// write permission on the socket to connect.
+    pub fn start(
+        vsock: &Path,
+        body: InitBody,
+        owner: Option<u32>,
+    ) -> Result<InitResponder, MicroVmError> {
         let path = Self::listen_path(vsock);
         let _ = std::fs::remove_file(&path);
         // Validate once up front so that an oversized body fails the create, not the guest.
         InitPayload::fresh(body.clone()).encode()?;
         let listener = std::sync::Arc::new(std::os::unix::net::UnixListener::bind(&path)?);
+        if let Some(uid) = owner {
+            std::os::unix::fs::chown(&path, Some(uid), Some(uid))?;
+        }
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let (tx, acks) = std::sync::mpsc::channel();
         let (s2, l2) = (stop.clone(), listener.clone());

@@ -5,6 +5,10 @@
 //! Every tap this node made is recorded as a marker file in its own directory, so that after
 //! a crash the node deletes its leftovers and never touches taps of other cubelets on the
 //! same host.
+//!
+//! A pooled tap belongs to root (`TUNSETOWNER 0`): a tap without an owner may be attached by
+//! any user, so a jailed shim (its own unprivileged uid) could otherwise take a tap meant for
+//! another sandbox. [`set_owner`] hands it to the shim it is assigned to.
 
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
@@ -38,8 +42,49 @@ fn ifreq(name: &str, flags: i32) -> Result<libc::ifreq, TapError> {
     Ok(ifr)
 }
 
-/// Attaches to (creating if needed) tap `name` and sets its persistence.
+/// `ioctl` with an integer argument; the error names the request.
+fn ioctl_int(
+    fd: libc::c_int,
+    req: libc::c_ulong,
+    what: &'static str,
+    arg: libc::c_ulong,
+) -> Result<(), (&'static str, std::io::Error)> {
+    // SAFETY: a tun request that takes an integer, on a tun fd the caller owns.
+    if unsafe { libc::ioctl(fd, req as _, arg) } < 0 {
+        return Err((what, std::io::Error::last_os_error()));
+    }
+    Ok(())
+}
+
+/// Attaches to (creating if needed) tap `name` and sets its persistence (and, when
+/// persisting, its owner: root until [`set_owner`]).
 fn set_persist(name: &str, persist: bool) -> Result<(), TapError> {
+    attach_and(name, |fd| {
+        if persist {
+            ioctl_int(fd, libc::TUNSETOWNER as _, "TUNSETOWNER", 0)?;
+        }
+        ioctl_int(
+            fd,
+            libc::TUNSETPERSIST as _,
+            "TUNSETPERSIST",
+            u64::from(persist),
+        )
+    })
+}
+
+/// Hands persistent tap `name` to `uid` (the jailed shim it is assigned to): only that uid (or
+/// root) may attach to it from then on.
+pub fn set_owner(name: &str, uid: u32) -> Result<(), TapError> {
+    attach_and(name, |fd| {
+        ioctl_int(fd, libc::TUNSETOWNER as _, "TUNSETOWNER", u64::from(uid))
+    })
+}
+
+/// Attaches to tap `name` (creating it if missing) and runs `f` on the attached fd.
+fn attach_and(
+    name: &str,
+    f: impl FnOnce(libc::c_int) -> Result<(), (&'static str, std::io::Error)>,
+) -> Result<(), TapError> {
     let io = |what| {
         move |e| TapError::Io {
             name: name.into(),
@@ -47,20 +92,17 @@ fn set_persist(name: &str, persist: bool) -> Result<(), TapError> {
             source: e,
         }
     };
-    let f = std::fs::OpenOptions::new()
+    let tun = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .open("/dev/net/tun")
         .map_err(io("open /dev/net/tun"))?;
     let mut ifr = ifreq(name, libc::IFF_TAP | libc::IFF_NO_PI)?;
-    // SAFETY: TUNSETIFF / TUNSETPERSIST on a tun fd we own, with a valid ifreq / integer.
-    if unsafe { libc::ioctl(f.as_raw_fd(), libc::TUNSETIFF as _, &mut ifr) } < 0 {
+    // SAFETY: TUNSETIFF on a tun fd we own, with a valid ifreq.
+    if unsafe { libc::ioctl(tun.as_raw_fd(), libc::TUNSETIFF as _, &mut ifr) } < 0 {
         return Err(io("TUNSETIFF")(std::io::Error::last_os_error()));
     }
-    if unsafe { libc::ioctl(f.as_raw_fd(), libc::TUNSETPERSIST as _, i32::from(persist)) } < 0 {
-        return Err(io("TUNSETPERSIST")(std::io::Error::last_os_error()));
-    }
-    Ok(())
+    f(tun.as_raw_fd()).map_err(|(what, e)| io(what)(e))
 }
 
 /// Whether interface `name` exists in this network namespace.
@@ -181,6 +223,11 @@ mod tests {
         let t = p.take().unwrap();
         assert!(exists(&t), "{t} exists");
         assert!(d.path().join(&t).exists(), "marker for {t}");
+        // Pooled taps belong to root; assigned ones to their shim's uid.
+        let owner = || std::fs::read_to_string(format!("/sys/class/net/{t}/owner")).unwrap();
+        assert_eq!(owner().trim(), "0");
+        set_owner(&t, 1_100_000_123).unwrap();
+        assert_eq!(owner().trim(), "1100000123");
         // The other pooled tap and `t` are both reaped when nothing keeps them.
         p.reap_except(&[]);
         assert!(!exists(&t));
