@@ -13,7 +13,8 @@
 #   --root DIR         install under DIR instead of / (tests, images); systemd is not touched
 #   --data-dir DIR     cubelet data directory (default /var/lib/cube)
 #   --loop-size-gib N  size of the loop XFS image when the data dir has no reflink (default 64)
-#   --no-tls           plaintext gRPC (single host only; the default for --single-host)
+#   --no-tls           plaintext gRPC (--single-host only, where it is the default: the daemons
+#                      refuse plaintext on a non-loopback address)
 #   --no-start         install and enable, but do not start or restart services
 #   --node-id ID       cubelet node id (default: the short host name)
 #   --runtime R        cubelet runtime: namespace | gvisor | microvm | auto (default: auto: microvm
@@ -149,6 +150,10 @@ R=$ROOT
 SYSTEMD=0
 if [ -z "$R" ] && [ "$(cat /proc/1/comm 2>/dev/null)" = systemd ]; then SYSTEMD=1; fi
 [ "$TLS" = auto ] && { [ "$MODE" = single-host ] && TLS=off || TLS=on; }
+# cube-master and cubelet refuse plaintext gRPC on a non-loopback address (anyone reaching it
+# would control the fleet), and only --single-host binds loopback.
+[ "$TLS" = off ] && [ "$MODE" != single-host ] \
+    && die "--no-tls is for --single-host only: --control and --compute serve gRPC on the network, which needs mutual TLS"
 [ -z "$CUBELET_EXTRA" ] || [ -r "$CUBELET_EXTRA" ] || die "--cubelet-extra $CUBELET_EXTRA is not readable"
 case "$RUNTIME" in ""|namespace|gvisor|microvm|auto) ;; *) die "--runtime must be namespace, gvisor, microvm or auto" ;; esac
 [ -n "$ADVERTISE" ] || ADVERTISE=$(hostname -I 2>/dev/null | awk '{print $1}')
@@ -293,6 +298,9 @@ if [ $WANT_CONTROL = 1 ]; then
 grpc_addr = "$MASTER_BIND:9090"
 metrics_addr = "127.0.0.1:9092"
 database_url = "$DB_URL"
+# envd access tokens are derived from this key; the database keeps only their hashes. Every
+# master of the fleet needs the same file.
+token_key_file = "$R/var/lib/cube-master/token.key"
 # Static nodes (polled); nodes installed with --compute register themselves instead.
 nodes = [${nodes_toml%, }]
 # Nodes join with a one-time token: cubectl node join-token (CreateJoinToken).
@@ -323,7 +331,7 @@ if [ $WANT_COMPUTE = 1 ]; then
         elif [ -s "$PKI/ca.key" ]; then
             issue_cert node "$PKI" "$SAN_ADV,IP:127.0.0.1"   # control and compute on one host
         elif [ ! -s "$PKI/node.pem" ]; then
-            die "TLS: give --tls-ca/--tls-cert/--tls-key (issue them on the control host: install.sh --issue-cert NODE --pki /etc/cube/pki --san IP:$ADVERTISE), or --no-tls"
+            die "TLS: give --tls-ca/--tls-cert/--tls-key (issue them on the control host: install.sh --issue-cert NODE --pki /etc/cube/pki --san IP:$ADVERTISE)"
         fi
     fi
     [ "$MODE" = single-host ] && MASTER=$SCHEME://127.0.0.1:9090

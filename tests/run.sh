@@ -56,7 +56,7 @@ done
 
 # The SDK, interpreter and attacker suites again on the gvisor runtime (runsc; installed by
 # deploy/deps.sh). The microVM files are the microvm runtime's own and ran above.
-for name in e2e e2e_245 e2e_220 e2e_npm interpreter isolation; do
+for name in e2e e2e_245 e2e_220 e2e_npm interpreter isolation security; do
     step "Python suite tests/$name on gvisor"
     CUBE_E2E_RUNTIME=gvisor "$CUBE_VENV_ROOT/$name/bin/python" -m pytest -q -p no:cacheprovider \
         "tests/$name" --ignore=tests/e2e/test_microvm.py \

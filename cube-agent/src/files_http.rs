@@ -42,19 +42,28 @@ pub fn signature(path: &str, op: &str, user: &str, token: &str, exp: Option<&str
     )
 }
 
+/// How a `/files` request was let in.
+#[derive(Debug, PartialEq, Eq)]
+enum Grant {
+    /// No token is set, or the request carries it: any user it names.
+    Token,
+    /// A signed URL: exactly the user it was signed for (empty = the default user).
+    Signed,
+}
+
 /// Checks the header token or the signature in the query.
 fn authorize(
     state: &Shared,
     headers: &HeaderMap,
     q: &HashMap<String, String>,
     op: &str,
-) -> Result<(), String> {
+) -> Result<Grant, String> {
     let Some(token) = state.access_token() else {
-        return Ok(());
+        return Ok(Grant::Token);
     };
     if let Some(h) = headers.get("x-access-token").and_then(|v| v.to_str().ok()) {
         if ct_eq(h.as_bytes(), token.as_bytes()) {
-            return Ok(());
+            return Ok(Grant::Token);
         }
     }
     let Some(sig) = q.get("signature") else {
@@ -73,7 +82,7 @@ fn authorize(
     let user = q.get("username").map(String::as_str).unwrap_or("");
     let want = signature(path, op, user, &token, exp.map(String::as_str));
     if ct_eq(sig.as_bytes(), want.as_bytes()) {
-        Ok(())
+        Ok(Grant::Signed)
     } else {
         Err("invalid signature".into())
     }
@@ -83,9 +92,15 @@ fn user_for(
     state: &Shared,
     headers: &HeaderMap,
     q: &HashMap<String, String>,
+    grant: Grant,
 ) -> Result<User, String> {
-    if let Some(name) = q.get("username").filter(|n| !n.is_empty()) {
-        return state.user_named(name).map_err(|e| e.to_string());
+    let named = q.get("username").filter(|n| !n.is_empty());
+    // A signature covers the username in the query and nothing else: an Authorization header
+    // on a signed URL must not turn a default-user link into a root one.
+    if grant == Grant::Signed || named.is_some() {
+        return state
+            .user_named(named.map_or("", String::as_str))
+            .map_err(|e| e.to_string());
     }
     state
         .user_from_auth(
@@ -108,11 +123,14 @@ pub async fn handle(
     } else {
         "write"
     };
-    if let Err(m) = authorize(&state, &headers, &q, op) {
-        server::drain(&mut body).await;
-        return http_error(401, m);
-    }
-    let user = match user_for(&state, &headers, &q) {
+    let grant = match authorize(&state, &headers, &q, op) {
+        Ok(g) => g,
+        Err(m) => {
+            server::drain(&mut body).await;
+            return http_error(401, m);
+        }
+    };
+    let user = match user_for(&state, &headers, &q, grant) {
         Ok(u) => u,
         Err(m) => {
             server::drain(&mut body).await;
@@ -654,7 +672,7 @@ pub async fn compose(state: Shared, headers: HeaderMap, mut body: Incoming) -> R
     if let Some(u) = req.username {
         q.insert("username".to_string(), u);
     }
-    let user = match user_for(&state, &headers, &q) {
+    let user = match user_for(&state, &headers, &q, Grant::Token) {
         Ok(u) => u,
         Err(m) => return http_error(401, m),
     };

@@ -434,7 +434,7 @@ fn env_vars_from_init_and_per_call() {
 }
 
 #[test]
-fn access_token_guards_execute_only() {
+fn access_token_guards_every_route_but_health() {
     let i = start("");
     let r = i.agent.request(
         "POST",
@@ -458,8 +458,27 @@ fn access_token_guards_execute_only() {
     );
     assert_eq!(l.status, 200);
     assert_eq!(main_text(&l.all()).as_deref(), Some("1"));
-    // The SDK sends no token on /contexts (E2B's server does not check it there either).
-    assert_eq!(i.req("GET", "/contexts", b"").0, 200);
+    // Every other route too (the edge hands the SDK's traffic-token calls the envd token).
+    for (m, p) in [
+        ("GET", "/contexts"),
+        ("POST", "/contexts"),
+        ("DELETE", "/contexts/x"),
+        ("POST", "/contexts/x/restart"),
+        ("GET", "//contexts/"),
+    ] {
+        assert_eq!(i.req(m, p, b"{}").0, 401, "{m} {p}");
+    }
+    let s = send(
+        &i.addr,
+        "GET",
+        "/contexts",
+        &[("X-Access-Token", "tok-1")],
+        b"",
+    );
+    let mut all = String::new();
+    BufReader::new(s).read_to_string(&mut all).unwrap();
+    assert!(all.starts_with("HTTP/1.1 200"), "{all}");
+    assert_eq!(i.req("GET", "/health", b"").0, 200);
 }
 
 #[test]

@@ -6,19 +6,57 @@
 
 use crate::master::Master;
 use crate::metrics::Metrics;
-use crate::sandbox_cache::{Key, SandboxCache};
+use crate::ratelimit::{Class, RateLimiter};
+use crate::sandbox_cache::{Answer, Key, SandboxCache};
 use bytes::Bytes;
 use cube_proto::master::v1 as pb;
 use http_body_util::{combinators::BoxBody, BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::{TcpListener, TcpSocket};
 
 pub const ENVD_PORT: u16 = 49983;
+/// The code interpreter's port (e2b_code_interpreter's JUPYTER_PORT).
+pub const INTERPRETER_PORT: u16 = 49999;
+const TRAFFIC_TOKEN_HEADER: &str = "e2b-traffic-access-token";
+
+/// The sandbox's traffic access token (the create response's `trafficAccessToken`): what the
+/// code interpreter SDK sends on every call to 49999, where it sends the envd token on
+/// `/execute` only. A one-way function of the envd token, so holding it opens the
+/// interpreter's routes through the edge but not envd.
+pub fn traffic_token(envd_token: &str) -> Option<String> {
+    use sha2::{Digest, Sha256};
+    if envd_token.is_empty() {
+        return None;
+    }
+    let mut h = Sha256::new();
+    h.update(b"cube traffic access token\0");
+    h.update(envd_token.as_bytes());
+    Some(hex::encode(&h.finalize()[..24]))
+}
+
+/// Whether `path` reaches the agent's `/init` however it is spelled (`//init`, `/init/`,
+/// `/./init`, `/%69nit`): the agent's router ignores empty segments.
+pub fn is_init(path: &str) -> bool {
+    let mut segs: Vec<String> = Vec::new();
+    for raw in path.split('/') {
+        let seg = percent_encoding::percent_decode_str(raw)
+            .decode_utf8_lossy()
+            .to_ascii_lowercase();
+        match seg.as_str() {
+            "" | "." => {}
+            ".." => {
+                segs.pop();
+            }
+            _ => segs.push(seg),
+        }
+    }
+    segs.len() == 1 && segs[0] == "init"
+}
 
 type Body = BoxBody<Bytes, hyper::Error>;
 
@@ -118,6 +156,8 @@ pub struct Edge {
     pub master: Master,
     pub cache: Arc<SandboxCache>,
     pub metrics: Arc<Metrics>,
+    /// Per client address, for look-ups the cache cannot answer.
+    pub limiter: Arc<RateLimiter>,
 }
 
 /// Serves the edge until the listener fails.
@@ -131,7 +171,7 @@ pub async fn serve(listener: TcpListener, edge: Edge) -> std::io::Result<()> {
         tokio::spawn(async move {
             let svc = hyper::service::service_fn(move |req| {
                 let edge = edge.clone();
-                async move { Ok::<_, std::convert::Infallible>(handle(req, edge).await) }
+                async move { Ok::<_, std::convert::Infallible>(handle(req, edge, peer.ip()).await) }
             });
             if let Err(e) = hyper::server::conn::http1::Builder::new()
                 .serve_connection(TokioIo::new(stream), svc)
@@ -143,14 +183,46 @@ pub async fn serve(listener: TcpListener, edge: Edge) -> std::io::Result<()> {
     }
 }
 
-/// The sandbox for a route: from the cache when fresh, else from the master (then cached).
-async fn lookup(edge: &Edge, key: Key) -> Option<pb::SandboxInfo> {
-    if let Some(info) = edge.cache.get(&key) {
+/// Why a look-up gave no sandbox.
+enum Miss {
+    NotFound,
+    /// The client address is over its look-up rate; retry after this long.
+    Limited(Duration),
+}
+
+/// The sandbox for a route: from the cache when fresh (found or known missing), else from the
+/// master (then cached), if the client address is within its look-up rate.
+async fn lookup(edge: &Edge, key: Key, client: IpAddr) -> Result<pb::SandboxInfo, Miss> {
+    match edge.cache.get(&key) {
+        Some(Answer::Found(info)) => {
+            edge.metrics
+                .edge_lookups
+                .with_label_values(&["cache"])
+                .inc();
+            return Ok(info);
+        }
+        Some(Answer::Missing) => {
+            edge.metrics
+                .edge_lookups
+                .with_label_values(&["cache_missing"])
+                .inc();
+            return Err(Miss::NotFound);
+        }
+        None => {}
+    }
+    // A sandbox this edge has served before is refreshed whatever the address's rate: a flood
+    // of guesses from the same address must not cut off the client's real sandboxes.
+    let allowed = if edge.cache.was_found(&key) {
+        Ok(())
+    } else {
+        edge.limiter.check(&client.to_string(), Class::EdgeLookup)
+    };
+    if let Err(wait) = allowed {
         edge.metrics
-            .edge_lookups
-            .with_label_values(&["cache"])
+            .rate_limited
+            .with_label_values(&["edge_lookup"])
             .inc();
-        return Some(info);
+        return Err(Miss::Limited(wait));
     }
     edge.metrics
         .edge_lookups
@@ -175,30 +247,88 @@ async fn lookup(edge: &Edge, key: Key) -> Option<pb::SandboxInfo> {
                 .await
         }
     };
-    let info = r.ok()?.into_inner();
-    edge.cache.insert(generation, key, info.clone());
-    Some(info)
+    match r {
+        Ok(info) => {
+            let info = info.into_inner();
+            edge.cache.insert(generation, key, info.clone());
+            Ok(info)
+        }
+        Err(s) => {
+            if s.code() == tonic::Code::NotFound {
+                edge.cache.insert_missing(generation, key);
+            }
+            Err(Miss::NotFound)
+        }
+    }
 }
 
-async fn handle(req: Request<Incoming>, edge: Edge) -> Response<Body> {
+async fn handle(req: Request<Incoming>, edge: Edge, client: IpAddr) -> Response<Body> {
     let m = edge.metrics.clone();
-    let (result, resp) = handle_inner(req, edge).await;
+    let (result, resp) = handle_inner(req, edge, client).await;
     m.edge_requests.with_label_values(&[result]).inc();
     resp
 }
 
-async fn handle_inner(req: Request<Incoming>, edge: Edge) -> (&'static str, Response<Body>) {
+fn forbidden(msg: &str) -> Response<Body> {
+    json_response(
+        StatusCode::FORBIDDEN,
+        serde_json::json!({"code": 403, "message": msg}),
+    )
+}
+
+fn limited(wait: Duration) -> Response<Body> {
+    let mut r = json_response(
+        StatusCode::TOO_MANY_REQUESTS,
+        serde_json::json!({"code": 429, "message": "too many sandbox look-ups from this address; retry later"}),
+    );
+    let secs = crate::ratelimit::retry_after_secs(wait);
+    if let Ok(v) = hyper::header::HeaderValue::from_str(&secs.to_string()) {
+        r.headers_mut().insert(hyper::header::RETRY_AFTER, v);
+    }
+    r
+}
+
+/// Requests to the code interpreter must carry the sandbox's envd token (`X-Access-Token`) or
+/// its traffic token; the interpreter then sees the envd token either way (it checks it like
+/// envd does). False = refuse.
+fn authorize_interpreter(headers: &mut hyper::HeaderMap, info: &pb::SandboxInfo) -> bool {
+    if info.access_token.is_empty() {
+        return true;
+    }
+    let given = |n: &str| headers.get(n).map(|v| v.as_bytes().to_vec());
+    let envd_ok = given("x-access-token").is_some_and(|v| ct_eq(&v, info.access_token.as_bytes()));
+    let traffic_ok = traffic_token(&info.access_token)
+        .is_some_and(|t| given(TRAFFIC_TOKEN_HEADER).is_some_and(|v| ct_eq(&v, t.as_bytes())));
+    if !envd_ok && !traffic_ok {
+        return false;
+    }
+    if let Ok(v) = hyper::header::HeaderValue::from_str(&info.access_token) {
+        headers.insert("x-access-token", v);
+    }
+    true
+}
+
+/// Constant-time comparison (token checks must not leak a prefix through timing).
+fn ct_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn handle_inner(
+    mut req: Request<Incoming>,
+    edge: Edge,
+    client: IpAddr,
+) -> (&'static str, Response<Body>) {
+    let route = route(req.headers());
     // /init carries the access token and env; only the node may call it.
-    if req.uri().path() == "/init" {
+    let envd = matches!(route, Route::AccessToken(_))
+        || matches!(route, Route::Sandbox { port, .. } if port == ENVD_PORT);
+    if envd && is_init(req.uri().path()) {
         return (
             "forbidden",
-            json_response(
-                StatusCode::FORBIDDEN,
-                serde_json::json!({"code": 403, "message": "/init is not reachable through the edge"}),
-            ),
+            forbidden("/init is not reachable through the edge"),
         );
     }
-    let (info, port) = match route(req.headers()) {
+    let found = match route {
         // An id that cannot exist is not worth a master round trip (nor a log line).
         Route::Sandbox { id, .. } if !valid_id(&id) => {
             return (
@@ -206,15 +336,15 @@ async fn handle_inner(req: Request<Incoming>, edge: Edge) -> (&'static str, Resp
                 not_found(&id.chars().take(64).collect::<String>()),
             )
         }
-        Route::Sandbox { id, port } => match lookup(&edge, Key::Id(id.clone())).await {
-            Some(info) => (info, port),
-            None => return ("not_found", not_found(&id)),
-        },
+        Route::Sandbox { id, port } => lookup(&edge, Key::Id(id.clone()), client)
+            .await
+            .map(|info| (info, port))
+            .map_err(|m| (m, id)),
         Route::AccessToken(t) if t.len() > 512 => return ("not_found", not_found("")),
-        Route::AccessToken(t) => match lookup(&edge, Key::Token(t)).await {
-            Some(info) => (info, ENVD_PORT),
-            None => return ("not_found", not_found("")),
-        },
+        Route::AccessToken(t) => lookup(&edge, Key::Token(t), client)
+            .await
+            .map(|info| (info, ENVD_PORT))
+            .map_err(|m| (m, String::new())),
         Route::BadPort(p) => {
             let shown: String = p.chars().take(16).collect();
             return (
@@ -227,8 +357,25 @@ async fn handle_inner(req: Request<Incoming>, edge: Edge) -> (&'static str, Resp
         }
         Route::None => return ("not_found", not_found("")),
     };
+    let (info, port) = match found {
+        Ok(f) => f,
+        Err((Miss::NotFound, id)) => return ("not_found", not_found(&id)),
+        Err((Miss::Limited(wait), _)) => return ("rate_limited", limited(wait)),
+    };
     if info.state != "running" {
         return ("not_found", not_found(&info.sandbox_id));
+    }
+    if port == INTERPRETER_PORT
+        && req.uri().path() != "/health"
+        && !authorize_interpreter(req.headers_mut(), &info)
+    {
+        return (
+            "unauthorized",
+            json_response(
+                StatusCode::UNAUTHORIZED,
+                serde_json::json!({"code": 401, "message": "unauthorized access, please provide a valid access token"}),
+            ),
+        );
     }
     let Ok(agent) = info.agent_address.parse::<SocketAddr>() else {
         return ("not_found", not_found(&info.sandbox_id));
@@ -291,6 +438,56 @@ async fn proxy(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn init_in_every_spelling() {
+        for p in [
+            "/init",
+            "//init",
+            "/init/",
+            "/./init",
+            "/%69nit",
+            "/INIT",
+            "/x/../init",
+            "///init//",
+        ] {
+            assert!(is_init(p), "{p}");
+        }
+        for p in [
+            "/",
+            "/initx",
+            "/init/x",
+            "/files",
+            "/x/init",
+            "/%2e%2e/files",
+        ] {
+            assert!(!is_init(p), "{p}");
+        }
+    }
+
+    #[test]
+    fn traffic_tokens() {
+        assert_eq!(traffic_token(""), None);
+        let t = traffic_token("tok").unwrap();
+        assert_eq!(t.len(), 48);
+        assert!(!t.contains("tok"));
+        assert_ne!(traffic_token("tok2"), Some(t.clone()));
+        let info = pb::SandboxInfo {
+            access_token: "tok".into(),
+            ..Default::default()
+        };
+        let mut h = hyper::HeaderMap::new();
+        assert!(!authorize_interpreter(&mut h, &info));
+        h.insert("x-access-token", "nope".parse().unwrap());
+        assert!(!authorize_interpreter(&mut h, &info));
+        h.insert(TRAFFIC_TOKEN_HEADER, t.parse().unwrap());
+        assert!(authorize_interpreter(&mut h, &info));
+        // The interpreter is handed the envd token.
+        assert_eq!(h.get("x-access-token").unwrap(), "tok");
+        let mut h = hyper::HeaderMap::new();
+        h.insert("x-access-token", "tok".parse().unwrap());
+        assert!(authorize_interpreter(&mut h, &info));
+    }
 
     #[test]
     fn host_parsing() {

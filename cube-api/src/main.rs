@@ -54,6 +54,7 @@ async fn main() -> anyhow::Result<()> {
             master: m,
             cache: state.cache.clone(),
             metrics: state.metrics.clone(),
+            limiter: state.limiter.clone(),
         },
     ));
     let app = router(state);

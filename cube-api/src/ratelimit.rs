@@ -19,6 +19,12 @@ pub struct RateLimitConfig {
     pub other_per_s: f64,
     /// Other requests allowed in a burst.
     pub other_burst: u32,
+    /// Sustained edge requests per second per client address that the edge's cache cannot
+    /// answer (each costs a master look-up): bounds what a flood of bogus sandbox ids or
+    /// tokens costs the master. Requests for sandboxes in the cache do not count.
+    pub edge_lookup_per_s: f64,
+    /// Such look-ups allowed in a burst.
+    pub edge_lookup_burst: u32,
 }
 
 impl Default for RateLimitConfig {
@@ -30,6 +36,10 @@ impl Default for RateLimitConfig {
             create_burst: 400,
             other_per_s: 2000.0,
             other_burst: 4000,
+            // One client address may drive a thousand sandboxes whose cache entries expire
+            // every second.
+            edge_lookup_per_s: 1000.0,
+            edge_lookup_burst: 2000,
         }
     }
 }
@@ -39,6 +49,11 @@ impl RateLimitConfig {
         for (name, rate, burst) in [
             ("create", self.create_per_s, self.create_burst),
             ("other", self.other_per_s, self.other_burst),
+            (
+                "edge_lookup",
+                self.edge_lookup_per_s,
+                self.edge_lookup_burst,
+            ),
         ] {
             if !rate.is_finite() || rate < 0.0 {
                 return Err(format!(
@@ -60,6 +75,8 @@ impl RateLimitConfig {
 pub enum Class {
     Create,
     Other,
+    /// An edge request that needs a master look-up (keyed by client address).
+    EdgeLookup,
 }
 
 impl Class {
@@ -102,6 +119,10 @@ impl RateLimiter {
         match class {
             Class::Create => (self.cfg.create_per_s, f64::from(self.cfg.create_burst)),
             Class::Other => (self.cfg.other_per_s, f64::from(self.cfg.other_burst)),
+            Class::EdgeLookup => (
+                self.cfg.edge_lookup_per_s,
+                f64::from(self.cfg.edge_lookup_burst),
+            ),
         }
     }
 
@@ -154,6 +175,7 @@ mod tests {
             create_burst: cb,
             other_per_s: other,
             other_burst: ob,
+            ..Default::default()
         })
     }
 

@@ -196,7 +196,7 @@ async fn auth(State(st): State<AppState>, mut req: Request, next: Next) -> Respo
             if let Err(wait) = st.limiter.check(&key, class) {
                 let (label, what) = match class {
                     Class::Create => ("create", "sandbox creates"),
-                    Class::Other => ("other", "requests"),
+                    Class::Other | Class::EdgeLookup => ("other", "requests"),
                 };
                 st.metrics.rate_limited.with_label_values(&[label]).inc();
                 let secs = retry_after_secs(wait);
@@ -259,7 +259,9 @@ pub(crate) fn sandbox_json(s: &pb::SandboxInfo, cfg: &ApiConfig) -> Value {
         "envdVersion": s.envd_version,
         "alias": s.template,
         "envdAccessToken": s.access_token,
-        "trafficAccessToken": Value::Null,
+        // The code interpreter SDK sends it on every call to 49999 (the edge requires it or
+        // the envd token there).
+        "trafficAccessToken": crate::edge::traffic_token(&s.access_token),
         "domain": domain(cfg),
     })
 }

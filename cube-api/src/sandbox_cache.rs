@@ -5,6 +5,10 @@
 //! sandbox's entries when it kills, pauses or connects it through this process. A generation
 //! counter keeps a lookup that was in flight during an invalidation from re-inserting the old
 //! answer.
+//!
+//! "No such sandbox" answers are kept too ([`NEGATIVE_TTL`]), so that a client repeating a bogus
+//! id or token costs one master call, not one per request. They cannot hide a real sandbox: ids
+//! and tokens are random and unknown before the master hands them out.
 
 use cube_proto::master::v1::SandboxInfo;
 use std::collections::HashMap;
@@ -14,6 +18,17 @@ use std::time::{Duration, Instant};
 /// Above this many entries, expired ones are swept; if still above, everything is dropped
 /// (a cache miss only costs a master call).
 const MAX_ENTRIES: usize = 50_000;
+/// How long a "not found" answer is kept.
+pub const NEGATIVE_TTL: Duration = Duration::from_secs(5);
+
+/// A cached master answer.
+// Most entries are `Found`: boxing it would add an allocation per entry to save nothing.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Clone, PartialEq)]
+pub enum Answer {
+    Found(SandboxInfo),
+    Missing,
+}
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Key {
@@ -23,7 +38,7 @@ pub enum Key {
 
 struct Inner {
     generation: u64,
-    entries: HashMap<Key, (Instant, SandboxInfo)>,
+    entries: HashMap<Key, (Instant, Answer)>,
 }
 
 pub struct SandboxCache {
@@ -52,19 +67,32 @@ impl SandboxCache {
         !self.ttl.is_zero()
     }
 
-    /// A fresh entry, if any.
-    pub fn get(&self, key: &Key) -> Option<SandboxInfo> {
+    /// A fresh answer, if any.
+    pub fn get(&self, key: &Key) -> Option<Answer> {
         self.get_at(key, Instant::now())
     }
 
-    pub fn get_at(&self, key: &Key, now: Instant) -> Option<SandboxInfo> {
+    pub fn get_at(&self, key: &Key, now: Instant) -> Option<Answer> {
         if !self.enabled() {
             return None;
         }
         let g = self.lock();
         match g.entries.get(key) {
-            Some((at, info)) if now.saturating_duration_since(*at) < self.ttl => Some(info.clone()),
+            Some((at, a)) if now.saturating_duration_since(*at) < self.ttl_of(a) => Some(a.clone()),
             _ => None,
+        }
+    }
+
+    /// Whether `key` named a running sandbox when last asked, however long ago (until swept):
+    /// refreshing such an entry is not a guess, and no look-up limit applies to it.
+    pub fn was_found(&self, key: &Key) -> bool {
+        self.enabled() && matches!(self.lock().entries.get(key), Some((_, Answer::Found(_))))
+    }
+
+    fn ttl_of(&self, a: &Answer) -> Duration {
+        match a {
+            Answer::Found(_) => self.ttl,
+            Answer::Missing => NEGATIVE_TTL.max(self.ttl),
         }
     }
 
@@ -81,22 +109,40 @@ impl SandboxCache {
     }
 
     pub fn insert_at(&self, generation: u64, key: Key, info: SandboxInfo, now: Instant) {
-        if !self.enabled() || info.state != "running" {
+        if info.state != "running" {
             return;
         }
-        let ttl = self.ttl;
+        self.put(generation, key, Answer::Found(info), now)
+    }
+
+    /// Records that the master knows no sandbox for `key`.
+    pub fn insert_missing(&self, generation: u64, key: Key) {
+        self.put(generation, key, Answer::Missing, Instant::now())
+    }
+
+    fn put(&self, generation: u64, key: Key, a: Answer, now: Instant) {
+        if !self.enabled() {
+            return;
+        }
+        let (ttl, neg) = (self.ttl, NEGATIVE_TTL.max(self.ttl));
         let mut g = self.lock();
         if g.generation != generation {
             return;
         }
         if g.entries.len() >= MAX_ENTRIES {
-            g.entries
-                .retain(|_, (at, _)| now.saturating_duration_since(*at) < ttl);
+            g.entries.retain(|_, (at, a)| {
+                let t = if matches!(a, Answer::Found(_)) {
+                    ttl
+                } else {
+                    neg
+                };
+                now.saturating_duration_since(*at) < t
+            });
             if g.entries.len() >= MAX_ENTRIES {
                 g.entries.clear();
             }
         }
-        g.entries.insert(key, (now, info));
+        g.entries.insert(key, (now, a));
     }
 
     /// Drops every entry of sandbox `id` (by id and by its access token). Returns how many.
@@ -104,7 +150,10 @@ impl SandboxCache {
         let mut g = self.lock();
         g.generation = g.generation.wrapping_add(1);
         let before = g.entries.len();
-        g.entries.retain(|_, (_, info)| info.sandbox_id != id);
+        g.entries.retain(|k, (_, a)| match a {
+            Answer::Found(info) => info.sandbox_id != id,
+            Answer::Missing => *k != Key::Id(id.to_string()),
+        });
         before - g.entries.len()
     }
 
@@ -142,6 +191,8 @@ mod tests {
         assert!(c
             .get_at(&Key::Id("ia".into()), t0 + Duration::from_millis(1000))
             .is_none());
+        assert!(c.was_found(&Key::Id("ia".into())), "stale but known");
+        assert!(!c.was_found(&Key::Id("ib".into())));
         assert!(c.get_at(&Key::Id("ib".into()), t0).is_none());
     }
 
@@ -176,6 +227,29 @@ mod tests {
             info("ia", "running"),
         );
         assert!(off.get(&Key::Id("ia".into())).is_none() && off.is_empty());
+    }
+
+    #[test]
+    fn missing_answers_are_kept_longer_and_dropped_by_invalidate() {
+        let c = SandboxCache::new(Duration::from_millis(100));
+        let k = Key::Id("inope".into());
+        c.insert_missing(c.generation(), k.clone());
+        assert_eq!(c.get(&k), Some(Answer::Missing));
+        let later = Instant::now() + Duration::from_secs(1);
+        assert_eq!(
+            c.get_at(&k, later),
+            Some(Answer::Missing),
+            "kept past the positive ttl"
+        );
+        assert_eq!(
+            c.get_at(&k, Instant::now() + NEGATIVE_TTL + Duration::from_millis(1)),
+            None
+        );
+        assert_eq!(c.invalidate("inope"), 1);
+        assert_eq!(c.get(&k), None);
+        // An in-flight lookup from before the invalidation does not record it again.
+        c.insert_missing(0, k.clone());
+        assert_eq!(c.get(&k), None);
     }
 
     #[test]

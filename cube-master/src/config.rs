@@ -42,6 +42,10 @@ pub struct MasterConfig {
     pub log_format: cube_proto::logging::LogFormat,
     /// Mutual TLS for the gRPC server and the links to nodes; absent = plaintext.
     pub tls: Option<cube_proto::tls::TlsConfig>,
+    /// The key envd access tokens are derived from (created when absent; every master of a
+    /// fleet must share it). Empty = `<database file>.token-key` for SQLite; PostgreSQL needs
+    /// it set.
+    pub token_key_file: String,
 }
 
 impl Default for MasterConfig {
@@ -64,11 +68,30 @@ impl Default for MasterConfig {
             metrics_addr: "127.0.0.1:9092".into(),
             log_format: Default::default(),
             tls: None,
+            token_key_file: String::new(),
         }
     }
 }
 
 impl MasterConfig {
+    /// Where the token key lives (see `token_key_file`).
+    pub fn token_key_path(&self) -> anyhow::Result<std::path::PathBuf> {
+        if !self.token_key_file.is_empty() {
+            return Ok(self.token_key_file.clone().into());
+        }
+        let db = self
+            .database_url
+            .strip_prefix("sqlite://")
+            .map(|r| r.split('?').next().unwrap_or(r))
+            .filter(|p| p.starts_with('/'))
+            .ok_or_else(|| {
+                anyhow::anyhow!(
+                    "token_key_file is required unless database_url is an absolute sqlite:// path"
+                )
+            })?;
+        Ok(format!("{db}.token-key").into())
+    }
+
     /// Reads a config file; a missing file means all defaults.
     pub fn load(path: &Path) -> anyhow::Result<MasterConfig> {
         match std::fs::read_to_string(path) {

@@ -240,11 +240,18 @@ impl Db {
         )
     }
 
-    pub async fn by_access_token(&self, token: &str) -> Result<Option<SandboxRow>, MasterError> {
+    /// The running sandbox whose stored token is `hashed` (or, for rows from before tokens
+    /// were hashed, `legacy_plain`).
+    pub async fn by_access_token(
+        &self,
+        hashed: &str,
+        legacy_plain: &str,
+    ) -> Result<Option<SandboxRow>, MasterError> {
         Ok(sqlx::query_as::<_, SandboxRow>(
-            "SELECT * FROM sandboxes WHERE access_token = $1 AND state = 'running'",
+            "SELECT * FROM sandboxes WHERE access_token IN ($1, $2) AND state = 'running' LIMIT 1",
         )
-        .bind(token)
+        .bind(hashed)
+        .bind(legacy_plain)
         .fetch_optional(&self.pool)
         .await?)
     }

@@ -19,6 +19,7 @@ pub mod server;
 pub mod service;
 pub mod snapshots;
 pub mod state;
+pub mod token;
 
 pub use config::MasterConfig;
 pub use error::MasterError;

@@ -59,6 +59,8 @@ fn main() -> anyhow::Result<()> {
 }
 
 async fn run(cfg: MasterConfig) -> anyhow::Result<()> {
+    let listen: std::net::SocketAddr = cfg.grpc_addr.parse().context("grpc_addr")?;
+    cube_proto::tls::check_listen(listen, cfg.tls.as_ref()).context("grpc_addr")?;
     let db = Db::open(&cfg.database_url)
         .await
         .with_context(|| format!("opening {}", redact_url(&cfg.database_url)))?;
@@ -67,7 +69,9 @@ async fn run(cfg: MasterConfig) -> anyhow::Result<()> {
     let reap = Duration::from_millis(cfg.reaper_interval_ms);
     let poll = Duration::from_millis(cfg.node_poll_interval_ms);
     let metrics_addr = cfg.metrics_addr.clone();
-    let ctl = Arc::new(Controller::new(cfg, db, nodes));
+    let key_path = cfg.token_key_path()?;
+    let key = cube_master::token::TokenKey::load_or_create(&key_path)?;
+    let ctl = Arc::new(Controller::new(cfg, db, nodes).with_token_key(key));
     ctl.load_nodes().await.context("loading nodes")?;
     ctl.nodes.poll_once().await;
     tokio::spawn(ctl.nodes.clone().run_poller(poll));

@@ -22,7 +22,7 @@ impl MasterService {
     }
 }
 
-pub fn to_info(r: &SandboxRow) -> pb::SandboxInfo {
+pub fn to_info(ctl: &Controller, r: &SandboxRow) -> pb::SandboxInfo {
     pb::SandboxInfo {
         sandbox_id: r.id.clone(),
         team_id: r.team_id.clone(),
@@ -33,7 +33,7 @@ pub fn to_info(r: &SandboxRow) -> pb::SandboxInfo {
         node_id: r.node_id.clone(),
         agent_address: r.agent_address.clone(),
         host_interface: r.host_interface.clone(),
-        access_token: r.access_token.clone(),
+        access_token: ctl.access_token(r),
         envd_version: r.envd_version.clone(),
         metadata: r.metadata_map().into_iter().collect(),
         started_at_ms: r.started_at_ms,
@@ -87,7 +87,7 @@ impl Master for MasterService {
                 return Err(e.into());
             }
         };
-        Ok(Response::new(to_info(&row)))
+        Ok(Response::new(to_info(&self.ctl, &row)))
     }
 
     async fn get_sandbox(
@@ -96,7 +96,7 @@ impl Master for MasterService {
     ) -> Result<Response<pb::SandboxInfo>, Status> {
         let r = req.into_inner();
         let row = self.ctl.get(&r.team_id, &r.sandbox_id).await?;
-        Ok(Response::new(to_info(&row)))
+        Ok(Response::new(to_info(&self.ctl, &row)))
     }
 
     async fn list_sandboxes(
@@ -124,7 +124,7 @@ impl Master for MasterService {
             })
             .await?;
         Ok(Response::new(pb::ListSandboxesResponse {
-            sandboxes: rows.iter().map(to_info).collect(),
+            sandboxes: rows.iter().map(|r| to_info(&self.ctl, r)).collect(),
             next_token: next,
         }))
     }
@@ -150,7 +150,7 @@ impl Master for MasterService {
             .ctl
             .set_timeout(&r.team_id, &r.sandbox_id, r.timeout_s)
             .await?;
-        Ok(Response::new(to_info(&row)))
+        Ok(Response::new(to_info(&self.ctl, &row)))
     }
 
     async fn pause_sandbox(
@@ -159,7 +159,7 @@ impl Master for MasterService {
     ) -> Result<Response<pb::SandboxInfo>, Status> {
         let r = req.into_inner();
         let row = self.ctl.pause(&r.team_id, &r.sandbox_id).await?;
-        Ok(Response::new(to_info(&row)))
+        Ok(Response::new(to_info(&self.ctl, &row)))
     }
 
     async fn connect_sandbox(
@@ -172,7 +172,7 @@ impl Master for MasterService {
             .connect(&r.team_id, &r.sandbox_id, r.timeout_s)
             .await?;
         Ok(Response::new(pb::ConnectSandboxResponse {
-            sandbox: Some(to_info(&row)),
+            sandbox: Some(to_info(&self.ctl, &row)),
             resumed,
         }))
     }
@@ -185,7 +185,7 @@ impl Master for MasterService {
             .ctl
             .by_access_token(&req.into_inner().access_token)
             .await?;
-        Ok(Response::new(to_info(&row)))
+        Ok(Response::new(to_info(&self.ctl, &row)))
     }
 
     async fn validate_api_key(
@@ -322,7 +322,7 @@ impl Master for MasterService {
             .into_iter()
             .map(|x| match x {
                 Ok(row) => pb::ForkResult {
-                    sandbox: Some(to_info(&row)),
+                    sandbox: Some(to_info(&self.ctl, &row)),
                     ..Default::default()
                 },
                 Err(e) => pb::ForkResult {

@@ -43,6 +43,8 @@ pub struct Controller {
     pub db: Db,
     pub nodes: Nodes,
     pub metrics: Arc<crate::metrics::Metrics>,
+    /// Derives envd access tokens (the database keeps only their hashes).
+    pub tokens: crate::token::TokenKey,
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
@@ -53,12 +55,6 @@ fn random_id() -> String {
         .map(|_| A[r.gen_range(0..A.len())] as char)
         .collect();
     format!("i{tail}")
-}
-
-fn random_token() -> String {
-    let mut b = [0u8; 24];
-    rand::thread_rng().fill(&mut b);
-    hex::encode(b)
 }
 
 /// Template names as cubelet accepts them.
@@ -77,8 +73,20 @@ impl Controller {
             db,
             nodes,
             metrics: Arc::new(crate::metrics::Metrics::new()),
+            tokens: crate::token::TokenKey::random(),
             locks: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// The token key shared by the fleet's masters (the default is one for this process only).
+    pub fn with_token_key(mut self, k: crate::token::TokenKey) -> Controller {
+        self.tokens = k;
+        self
+    }
+
+    /// A row's envd access token, as the SDK and the node see it.
+    pub fn access_token(&self, r: &SandboxRow) -> String {
+        self.tokens.reveal(&r.id, &r.access_token)
     }
 
     pub(crate) fn lock_for(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {
@@ -132,11 +140,14 @@ impl Controller {
     }
 
     pub async fn by_access_token(&self, token: &str) -> Result<SandboxRow, MasterError> {
-        if token.is_empty() {
-            return Err(MasterError::NotFound("empty access token".into()));
+        // A stored hash is not a token (it would match itself as a legacy plain token).
+        if token.is_empty() || token.starts_with(crate::token::HASHED) {
+            return Err(MasterError::NotFound(
+                "no sandbox has this access token".into(),
+            ));
         }
         self.db
-            .by_access_token(token)
+            .by_access_token(&crate::token::stored(token), token)
             .await?
             .ok_or_else(|| MasterError::NotFound("no sandbox has this access token".into()))
     }
@@ -151,6 +162,7 @@ impl Controller {
         self.check_timeout(p.timeout_s)?;
         // A snapshot (by id or name) lives on one node: placement is pinned there.
         let pinned = crate::snapshots::pin_for_create(self, &mut p).await?;
+        let pinned_snapshot = pinned.is_some();
         let decision_start = std::time::Instant::now();
         let mut _inflight = None;
         let placed = pinned.unwrap_or_else(|| {
@@ -199,7 +211,7 @@ impl Controller {
             node_id: String::new(),
             agent_address: String::new(),
             host_interface: String::new(),
-            access_token: random_token(),
+            access_token: String::new(),
             envd_version: String::new(),
             metadata: encode_map(&p.metadata),
             vcpus: self.cfg.default_vcpus as i64,
@@ -210,6 +222,7 @@ impl Controller {
             end_at_ms: now + (p.timeout_s as i64) * 1000,
             updated_at_ms: now,
         };
+        row.access_token = crate::token::stored(&self.tokens.token(&row.id));
         let lock = self.lock_for(&row.id);
         let _g = lock.lock().await;
         self.db.insert_sandbox(&row).await?;
@@ -217,7 +230,7 @@ impl Controller {
         let _e = span.enter();
         let mut last_err = None;
         for n in cands {
-            match self.create_on(&n, &row, &p).await {
+            match self.create_on(&n, &row, &p, pinned_snapshot).await {
                 Ok(sb) => {
                     self.nodes.placed(&n.address);
                     row.node_id = n.id();
@@ -294,6 +307,7 @@ impl Controller {
         n: &Node,
         row: &SandboxRow,
         p: &CreateParams,
+        from_snapshot: bool,
     ) -> Result<node::Sandbox, MasterError> {
         let req = node::CreateSandboxRequest {
             template: p.template.clone(),
@@ -310,10 +324,11 @@ impl Controller {
                 internet: p.allow_internet.unwrap_or(true),
                 ..Default::default()
             }),
-            access_token: row.access_token.clone(),
+            access_token: self.access_token(row),
             default_user: String::new(),
             default_workdir: String::new(),
             ready_timeout_ms: 0,
+            from_snapshot,
         };
         let mut c = n.client.clone();
         let t = Duration::from_millis(self.cfg.create_timeout_ms);

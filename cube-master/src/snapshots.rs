@@ -170,6 +170,14 @@ pub(crate) async fn pin_for_create(
     p: &mut CreateParams,
 ) -> Result<Option<Result<Vec<Node>, NoFit>>, MasterError> {
     let Some(s) = resolve(&ctl.db, &p.team_id, &p.template).await? else {
+        // Another team's snapshot id is not a template name this team may use: the node would
+        // otherwise restore that team's memory and disk for it.
+        if ctl.db.get_snapshot(&p.template).await?.is_some() {
+            return Err(MasterError::NotFound(format!(
+                "template '{}' not found",
+                p.template
+            )));
+        }
         return Ok(None);
     };
     p.template = s.id.clone();

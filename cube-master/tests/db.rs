@@ -21,7 +21,7 @@ fn row(id: &str) -> SandboxRow {
         node_id: "n1".into(),
         agent_address: String::new(),
         host_interface: String::new(),
-        access_token: format!("tok-{id}"),
+        access_token: cube_master::token::stored(&format!("tok-{id}")),
         envd_version: String::new(),
         metadata: String::new(),
         vcpus: 1,
@@ -47,14 +47,20 @@ async fn guarded_transitions_and_expiry(url: String) {
     assert_eq!((r.state.as_str(), r.reason.as_str()), ("running", "ok"));
     assert_eq!(db.expired(9).await.unwrap(), Vec::<String>::new());
     assert_eq!(db.expired(10).await.unwrap(), vec!["a".to_string()]);
-    assert_eq!(db.by_access_token("tok-a").await.unwrap().unwrap().id, "a");
+    // Rows hold the token's hash; the plain token itself is not stored.
+    let hashed = cube_master::token::stored("tok-a");
+    assert_eq!(
+        db.by_access_token(&hashed, "").await.unwrap().unwrap().id,
+        "a"
+    );
+    assert!(db.by_access_token("", "tok-a").await.unwrap().is_none());
     // Lost sandboxes still expire, and are no longer reachable by token.
     assert!(db
         .transition("a", Running, Lost, "node gone")
         .await
         .unwrap());
     assert_eq!(db.expired(10).await.unwrap(), vec!["a".to_string()]);
-    assert!(db.by_access_token("tok-a").await.unwrap().is_none());
+    assert!(db.by_access_token(&hashed, "").await.unwrap().is_none());
     assert_eq!(db.sandboxes_on_node("n1").await.unwrap().len(), 1);
     let counts = db.count_by_state().await.unwrap();
     assert_eq!(counts, vec![(Lost, 1)]);

@@ -25,6 +25,9 @@ struct FakeNode {
     /// Sandbox id → template it was created from.
     sandboxes: Mutex<BTreeMap<String, String>>,
     fail_build: bool,
+    /// Advertise every held template in NodeStatus (snapshots included), as a node does once
+    /// its next poll comes.
+    advertise_all: std::sync::atomic::AtomicBool,
 }
 
 impl FakeNode {
@@ -72,6 +75,21 @@ fn template(name: &str, build: &str, source: &str) -> pb::Template {
 impl Node for Handle {
     async fn create_sandbox(&self, r: Request<pb::CreateSandboxRequest>) -> R<pb::Sandbox> {
         let r = r.into_inner();
+        // As cubelet: a snapshot only for a create the master pinned to it, and only then.
+        let is_snap = self
+            .0
+            .templates
+            .lock()
+            .unwrap()
+            .get(&r.template)
+            .map(String::as_str)
+            == Some("snapb");
+        if is_snap != r.from_snapshot {
+            return Err(Status::not_found(format!(
+                "template {} (from_snapshot {})",
+                r.template, r.from_snapshot
+            )));
+        }
         if !self.0.holds(&r.template) {
             return Err(Status::not_found(format!(
                 "template {} not on {}",
@@ -235,7 +253,15 @@ impl Node for Handle {
         Ok(Response::new(pb::NodeStatusResponse {
             node_id: self.0.id.clone(),
             runtime: "namespace".into(),
-            templates: vec!["base".into()],
+            templates: if self
+                .0
+                .advertise_all
+                .load(std::sync::atomic::Ordering::SeqCst)
+            {
+                self.0.templates.lock().unwrap().keys().cloned().collect()
+            } else {
+                vec!["base".into()]
+            },
             sandboxes: self.0.sandboxes.lock().unwrap().len() as u32,
             capacity: Some(pb::Capacity {
                 max_sandboxes: self.0.max,
@@ -326,11 +352,16 @@ async fn create_from_snapshot_is_pinned_to_its_node() {
         assert_eq!(r.template, s.id, "a name resolves to the snapshot id");
     }
     assert_eq!(b.sandboxes_of(&s.id), 3);
-    // Another team cannot see or use it (neither by id nor by name).
+    // Another team cannot see or use it (neither by id nor by name), even once the node
+    // advertises the snapshot as one of its templates.
+    b.advertise_all
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    ctl.nodes.poll_once().await;
     assert!(matches!(
         ctl.create(params("u", &s.id)).await,
         Err(MasterError::NotFound(_))
     ));
+    assert_eq!(b.sandboxes_of(&s.id), 3, "team u's create reached the node");
     assert!(matches!(
         ctl.create(params("u", "my-snap")).await,
         Err(MasterError::NotFound(_))

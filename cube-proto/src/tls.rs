@@ -42,6 +42,12 @@ pub enum TlsError {
     Url { url: String, reason: String },
     #[error("set all of CUBE_TLS_CA, CUBE_TLS_CERT and CUBE_TLS_KEY, or none")]
     Env,
+    #[error(
+        "refusing to serve gRPC on {addr} without mutual TLS: anyone who can reach it could \
+         control this daemon. Bind a loopback address (127.0.0.1) or add a [tls] section \
+         (ca, cert, key)"
+    )]
+    OpenPort { addr: std::net::SocketAddr },
     #[error("TLS setup for {url}: {source}")]
     Transport {
         url: String,
@@ -170,6 +176,16 @@ pub fn from_env() -> Result<Option<TlsConfig>, TlsError> {
     }
 }
 
+/// The rule for every gRPC server of the fleet (cubelet, cube-master): plaintext only on a
+/// loopback address. Their RPCs create sandboxes, import templates from node paths and register
+/// nodes, so an unauthenticated port reachable from the network is control of the host.
+pub fn check_listen(addr: std::net::SocketAddr, tls: Option<&TlsConfig>) -> Result<(), TlsError> {
+    if tls.is_none() && !addr.ip().is_loopback() {
+        return Err(TlsError::OpenPort { addr });
+    }
+    Ok(())
+}
+
 /// The fleet identity of this process, set once at start from its `[tls]` section, so that every
 /// gRPC client it makes (to nodes, to the master) uses it without threading the config through
 /// each component. Unset or `None` = plaintext.
@@ -237,6 +253,21 @@ mod tests {
         std::fs::write(&c.key, "-----BEGIN PRIVATE KEY-----\n").unwrap();
         let e = c.server().unwrap_err().to_string();
         assert!(e.contains("no PEM block") && e.contains("c.pem"), "{e}");
+    }
+
+    #[test]
+    fn plaintext_only_on_loopback() {
+        let d = tempfile::tempdir().unwrap();
+        let t = cfg(d.path());
+        for ok in ["127.0.0.1:9091", "[::1]:9091", "127.0.0.2:1"] {
+            assert!(check_listen(ok.parse().unwrap(), None).is_ok(), "{ok}");
+        }
+        for open in ["0.0.0.0:9091", "[::]:9091", "10.0.0.5:9091"] {
+            let a = open.parse().unwrap();
+            let e = check_listen(a, None).unwrap_err().to_string();
+            assert!(e.contains("without mutual TLS") && e.contains(open), "{e}");
+            assert!(check_listen(a, Some(&t)).is_ok(), "{open} with TLS");
+        }
     }
 
     #[test]

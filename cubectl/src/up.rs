@@ -353,6 +353,39 @@ async fn wait_node(
 
 /// Builds `base` through the master's stream; with a master that lacks it, through the node's own
 /// stream; with a node that lacks that, through the node's unary ImportTemplate.
+/// A directory bind-mounted into the node's staging directory while it is imported.
+struct Staged(PathBuf);
+
+impl Staged {
+    fn bind(src: &Path, at: &Path) -> anyhow::Result<Staged> {
+        let src = std::fs::canonicalize(src).with_context(|| src.display().to_string())?;
+        let _ = std::process::Command::new("umount").arg(at).output();
+        std::fs::create_dir_all(at).with_context(|| format!("creating {}", at.display()))?;
+        let o = std::process::Command::new("mount")
+            .arg("--bind")
+            .arg(&src)
+            .arg(at)
+            .output()
+            .context("running mount")?;
+        if !o.status.success() {
+            anyhow::bail!(
+                "binding {} into the node's staging directory at {}: {}",
+                src.display(),
+                at.display(),
+                String::from_utf8_lossy(&o.stderr).trim()
+            );
+        }
+        Ok(Staged(at.to_path_buf()))
+    }
+}
+
+impl Drop for Staged {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg(&self.0).output();
+        let _ = std::fs::remove_dir(&self.0);
+    }
+}
+
 async fn build_base(
     m: &mut Master,
     l: &Layout,
@@ -601,10 +634,15 @@ async fn finish_up(l: &Layout, a: &UpArgs, as_json: bool) -> anyhow::Result<()> 
     )
     .await?;
     if !a.no_base && !n.templates.iter().any(|t| t == "base") {
-        let source = match &a.base_dir {
-            Some(d) => npb::import_template_request::Source::Directory(
-                std::fs::canonicalize(d)?.display().to_string(),
-            ),
+        // The node imports only from its staging directory: the base root is bound there for
+        // the build.
+        let staged = a
+            .base_dir
+            .as_ref()
+            .map(|d| Staged::bind(d, &l.node_dir.join("staging").join("cubectl-up-base")))
+            .transpose()?;
+        let source = match &staged {
+            Some(s) => npb::import_template_request::Source::Directory(s.0.display().to_string()),
             None => {
                 note("building template base from Debian bookworm (minutes the first time; cached in /var/cache/cube/templates)");
                 npb::import_template_request::Source::Debootstrap(npb::DebootstrapSource::default())
@@ -616,6 +654,7 @@ async fn finish_up(l: &Layout, a: &UpArgs, as_json: bool) -> anyhow::Result<()> 
             extra_mib: 0,
         };
         build_base(&mut m, l, &n.node_id, recipe).await?;
+        drop(staged);
         wait_node(&mut m, l, "template base in cube-master", wait, |n| {
             n.status == "ready" && n.templates.iter().any(|t| t == "base")
         })

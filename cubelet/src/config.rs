@@ -203,11 +203,14 @@ pub struct PoolConfig {
     pub claim_wait_ms: u64,
 }
 
+/// Name of [`Config::staging_dir`] under the data dir.
+pub const STAGING_DIR: &str = "staging";
+
 impl Default for Config {
     fn default() -> Self {
         Config {
             node_id: String::new(),
-            grpc_addr: "0.0.0.0:9091".into(),
+            grpc_addr: "127.0.0.1:9091".into(),
             http_addr: "127.0.0.1:9093".into(),
             data_dir: "/var/lib/cube".into(),
             run_dir: "/run/cube".into(),
@@ -288,6 +291,13 @@ impl Default for PoolConfig {
 }
 
 impl Config {
+    /// The only place gRPC template imports (`oci_path`, `directory`) may read from: a
+    /// root-owned directory under the data dir, so that a caller of the node's port cannot have
+    /// it read (and serve to sandboxes) any host path.
+    pub fn staging_dir(&self) -> PathBuf {
+        self.data_dir.join(STAGING_DIR)
+    }
+
     /// Loads a config file. A missing file at the default path means all defaults; a missing
     /// file given explicitly is an error.
     pub fn load(path: Option<&Path>) -> anyhow::Result<Config> {
@@ -323,7 +333,7 @@ mod tests {
     #[test]
     fn empty_file_is_all_defaults_and_unknown_keys_fail() {
         let c: Config = toml::from_str("").unwrap();
-        assert_eq!(c.grpc_addr, "0.0.0.0:9091");
+        assert_eq!(c.grpc_addr, "127.0.0.1:9091");
         assert_eq!(c.data_dir, PathBuf::from("/var/lib/cube"));
         let c: Config =
             toml::from_str("[pools]\nnetwork = 3\n[pools.started]\nbase = 2\n").unwrap();

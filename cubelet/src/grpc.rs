@@ -4,6 +4,7 @@ use crate::network::Policy;
 use crate::node::{CreateRequest, Node, NodeError, Phase, SandboxState, Shape};
 use crate::template::{Manifest, Source};
 use cube_proto::nodev1 as pb;
+use std::path::Path;
 use std::sync::Arc;
 use tonic::{Request, Response, Status};
 
@@ -159,7 +160,7 @@ fn disk_free_mib(p: &std::path::Path) -> u64 {
 /// The build source of an ImportTemplate/BuildTemplate request, checked.
 // tonic's Status is the service's error type; boxing it here would only move the cost.
 #[allow(clippy::result_large_err)]
-fn source_from(r: &pb::ImportTemplateRequest) -> Result<Source, Status> {
+fn source_from(r: &pb::ImportTemplateRequest, staging: &Path) -> Result<Source, Status> {
     let source = match r.source.clone() {
         Some(pb::import_template_request::Source::Debootstrap(d)) => {
             let base = Source::base();
@@ -195,15 +196,9 @@ fn source_from(r: &pb::ImportTemplateRequest) -> Result<Source, Status> {
             ))
         }
     };
-    if let Source::Oci { path } | Source::Directory { path } = &source {
-        if !path.is_absolute() || !path.exists() {
-            return Err(Status::invalid_argument(format!(
-                "ImportTemplate: {} does not exist on the node (give an absolute path)",
-                path.display()
-            )));
-        }
-    }
-    Ok(source)
+    source
+        .confined(staging)
+        .map_err(|e| Status::invalid_argument(format!("ImportTemplate: {e}")))
 }
 
 /// A build's progress event on the wire.
@@ -252,6 +247,7 @@ impl pb::node_server::Node for NodeService {
             default_user: r.default_user,
             default_workdir: r.default_workdir,
             ready_timeout_ms: r.ready_timeout_ms,
+            from_snapshot: r.from_snapshot,
         };
         let st = self.node.create(cr).await?;
         Ok(Response::new(sandbox_to(&self.node, &st)))
@@ -330,7 +326,7 @@ impl pb::node_server::Node for NodeService {
         req: Request<pb::ImportTemplateRequest>,
     ) -> Result<Response<pb::Template>, Status> {
         let r = req.into_inner();
-        let source = source_from(&r)?;
+        let source = source_from(&r, &self.node.host.cfg.staging_dir())?;
         let name = r.name.clone();
         let progress = Arc::new(
             move |e: crate::template::BuildEvent| tracing::info!(template = %name, event = ?e, "template build"),
@@ -367,7 +363,7 @@ impl pb::node_server::Node for NodeService {
     ) -> Result<Response<Self::BuildTemplateStream>, Status> {
         let r = req.into_inner();
         crate::template::check_name(&r.name).map_err(NodeError::from)?;
-        let source = source_from(&r)?;
+        let source = source_from(&r, &self.node.host.cfg.staging_dir())?;
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         let ptx = tx.clone();
         let name = r.name.clone();

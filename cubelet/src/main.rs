@@ -165,6 +165,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                     .grpc_addr
                     .parse()
                     .with_context(|| format!("grpc_addr {:?}", cfg.grpc_addr))?;
+                cube_proto::tls::check_listen(grpc, cfg.tls.as_ref()).context("grpc_addr")?;
                 let http: std::net::SocketAddr = cfg
                     .http_addr
                     .parse()

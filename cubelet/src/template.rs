@@ -76,8 +76,45 @@ impl Source {
             Source::Debootstrap { .. } => "debootstrap",
             Source::Oci { .. } => "oci",
             Source::Directory { .. } => "directory",
-            Source::Snapshot { .. } => "snapshot",
+            Source::Snapshot { .. } => SNAPSHOT_SOURCE,
         }
+    }
+
+    /// A remote caller's source, confined to the node's staging directory: an `oci`/`directory`
+    /// path must exist and resolve (symlinks included) beneath `staging`; the result carries
+    /// the resolved path, so a later swap of the named path changes nothing.
+    pub fn confined(self, staging: &Path) -> Result<Source, TemplateError> {
+        let confine = |path: &Path| -> Result<PathBuf, TemplateError> {
+            let outside = || {
+                TemplateError::Source(format!(
+                    "{} is not in the node's staging directory {}: remote imports read only \
+                     from there (copy or bind-mount the source into it on the node)",
+                    path.display(),
+                    staging.display()
+                ))
+            };
+            if !path.is_absolute() {
+                return Err(outside());
+            }
+            let root = std::fs::canonicalize(staging)
+                .map_err(|e| TemplateError::Source(format!("{}: {e}", staging.display())))?;
+            let real = std::fs::canonicalize(path).map_err(|e| {
+                TemplateError::Source(format!("{} on the node: {e}", path.display()))
+            })?;
+            if real == root || !real.starts_with(&root) {
+                return Err(outside());
+            }
+            Ok(real)
+        };
+        Ok(match self {
+            Source::Oci { path } => Source::Oci {
+                path: confine(&path)?,
+            },
+            Source::Directory { path } => Source::Directory {
+                path: confine(&path)?,
+            },
+            other => other,
+        })
     }
 
     /// The default `base` template: bookworm minbase with a shell, python and CA certificates.
@@ -92,6 +129,9 @@ impl Source {
         }
     }
 }
+
+/// [`Source::kind`] of a sandbox snapshot, as recorded in its manifest.
+pub const SNAPSHOT_SOURCE: &str = "snapshot";
 
 /// The default shape recorded in a manifest.
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq)]
@@ -140,6 +180,23 @@ pub enum BuildEvent {
 }
 
 pub type Progress<'a> = &'a (dyn Fn(BuildEvent) + Send + Sync);
+
+/// Creates the staging directory (see [`Source::confined`]), owned by cubelet's user and
+/// closed to others (whoever can write there chooses what templates contain).
+pub fn ensure_staging(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    std::fs::create_dir_all(dir)?;
+    let m = std::fs::symlink_metadata(dir)?;
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    if !m.is_dir() || m.uid() != me {
+        return Err(std::io::Error::other(format!(
+            "{} must be a directory owned by uid {me}",
+            dir.display()
+        )));
+    }
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+}
 
 /// Validates a template name.
 pub fn check_name(name: &str) -> Result<(), TemplateError> {

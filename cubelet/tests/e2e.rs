@@ -188,6 +188,15 @@ async fn sandbox_lifecycle_commands_files_pause_resume_kill() {
     assert!(snap.filesystem_only);
     let mut r = create_req("fromsnap");
     r.template = "snap1".into();
+    // A snapshot is refused unless the master pinned the create to it (its owner team's),
+    // and a plain template is refused as a snapshot.
+    let e = cl.create_sandbox(r.clone()).await.unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e:?}");
+    let mut plain = create_req("notsnap");
+    plain.from_snapshot = true;
+    let e = cl.create_sandbox(plain).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    r.from_snapshot = true;
     let sb2 = cl.create_sandbox(r).await.unwrap().into_inner();
     let (_, out) = sh(&sb2, "cat /home/user/f.txt").await;
     assert_eq!(out, "hello\n");
@@ -549,7 +558,7 @@ async fn templates_and_node_status_over_grpc() {
     assert!(st.capacity.unwrap().memory_mib > 0);
     assert_eq!(st.templates, vec!["mini"]);
     // OCI layout import, content addressed: the second import is reused.
-    let layout = c.root.join("oci");
+    let layout = c.staging().join("oci");
     let host = c.root.join("hostroot");
     let sh_bytes = std::fs::read(host.join("bin/sh")).unwrap();
     cubelet::oci::write_test_layout(

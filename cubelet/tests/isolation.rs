@@ -145,7 +145,6 @@ async fn sandboxes_are_isolated_policies_enforced_and_state_survives_a_crash() {
         "iso",
         Opts {
             network_pool: 2,
-            grpc_any: true,
             ..Default::default()
         },
     );

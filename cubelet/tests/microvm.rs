@@ -575,7 +575,10 @@ async fn microvm_sandboxes_restore_pause_to_disk_fork_fail_and_survive_a_restart
         pb::SandboxState::Running as i32
     );
     let f = c
-        .create_sandbox(req("mvf", "forked"))
+        .create_sandbox(pb::CreateSandboxRequest {
+            from_snapshot: true,
+            ..req("mvf", "forked")
+        })
         .await
         .unwrap()
         .into_inner();

@@ -27,7 +27,10 @@ async fn build_template_streams_progress_then_one_verdict() {
     cube_testkit::require_priv!("cubelet::build_template_streams");
     let mut c = Cubelet::new("bld", Opts::default());
     let mut cl = c.start().await;
-    let dir = c.root.join("hostroot").display().to_string();
+    let dir = c
+        .stage(&c.root.join("hostroot"), "hostroot")
+        .display()
+        .to_string();
     let req = pb::ImportTemplateRequest {
         name: "dirt".into(),
         source: Some(pb::import_template_request::Source::Directory(dir.clone())),
@@ -72,6 +75,9 @@ async fn build_template_streams_progress_then_one_verdict() {
     assert_eq!(t2.build, t.build);
 
     // Bad requests are refused before any stream starts.
+    let link_out = c.staging().join("escape");
+    std::os::unix::fs::symlink("/", &link_out).unwrap();
+    let link_out = link_out.display().to_string();
     for (name, source) in [
         (
             "Bad Name",
@@ -84,6 +90,28 @@ async fn build_template_streams_progress_then_one_verdict() {
             )),
         ),
         ("ok", None),
+        // Host paths outside the staging directory, directly or through a staged symlink.
+        (
+            "ok",
+            Some(pb::import_template_request::Source::Directory(
+                c.root.join("hostroot").display().to_string(),
+            )),
+        ),
+        (
+            "ok",
+            Some(pb::import_template_request::Source::OciPath("/etc".into())),
+        ),
+        (
+            "ok",
+            Some(pb::import_template_request::Source::Directory(link_out)),
+        ),
+        (
+            "ok",
+            Some(pb::import_template_request::Source::Directory(format!(
+                "{}/../hostroot",
+                c.staging().display()
+            ))),
+        ),
     ] {
         let e = cl
             .build_template(pb::ImportTemplateRequest {
@@ -99,7 +127,7 @@ async fn build_template_streams_progress_then_one_verdict() {
     // A failing build (a directory that is not a root filesystem: no room for the agent in a
     // read-only place is hard to arrange, so: a file where a directory is expected) ends in
     // one error event, not a broken stream.
-    let not_dir = c.root.join("plainfile");
+    let not_dir = c.staging().join("plainfile");
     std::fs::write(&not_dir, b"x").unwrap();
     let ev3 = build_events(
         &mut cl,

@@ -4,6 +4,7 @@ X-Access-Token on every non-exempt route, v1 URL signatures on /files. Each test
 
 from __future__ import annotations
 
+import base64
 import datetime
 import json
 import os
@@ -152,6 +153,18 @@ def test_signed_download_and_upload_urls(private_agent, wd):
     url_root = sbx.download_url(str(p), user="root")
     assert "username=root" in url_root
     assert http(url_root) == (200, b"signed content")
+
+    # A URL signed for the default user stays that user: an Authorization header naming root
+    # does not lift it to a root-only file.
+    secret = wd / "root-only.txt"
+    secret.write_text("root only")
+    os.chown(secret, 0, 0)
+    os.chmod(secret, 0o600)
+    as_default = sbx.download_url(str(secret))
+    basic_root = {"Authorization": "Basic " + base64.b64encode(b"root:").decode()}
+    status, body = http(as_default, headers=basic_root)
+    assert status != 200 and b"root only" not in body, (status, body)
+    assert http(sbx.download_url(str(secret), user="root"), headers=basic_root) == (200, b"root only")
 
     # Upload through a signed URL, no token header.
     up = wd / "uploaded.txt"

@@ -101,7 +101,8 @@ def cube_gvisor(request):
     yield from _stack("gvisor")
 
 
-def _stack(runtime):
+def _stack(runtime, api_extra=""):
+    """A stack on `runtime`; `api_extra` is appended to api.toml (tests/security's limits)."""
     if os.geteuid() != 0:
         pytest.fail("tests/e2e needs root: cubelet creates namespaces, cgroups and loop mounts")
     cubelet, master, api, cubectl = (_bin(n) for n in ("cubelet", "cube-master", "cube-api", "cubectl"))
@@ -198,6 +199,7 @@ nft_table = "{nft_table}"
         pl = start([cubelet, "--config", cfg, "run", "--kill-sandboxes-on-exit"], "cubelet.log")
         _wait(lambda: _port_open(g), "cubelet gRPC", procs=[pl])
         c.cubelet_http = f"http://127.0.0.1:{h}"
+        c.cubelet_grpc = f"127.0.0.1:{g}"
         c.runtime = runtime
         if runtime == "microvm":
             # The snapshot build boots the guest once; creates then restore a warm shim.
@@ -226,6 +228,7 @@ metrics_addr = "127.0.0.1:{_free_port()}"
         pm = start([master, "--config", mcfg, "run"], "master.log")
         _wait(lambda: _port_open(mp), "cube-master gRPC", procs=[pm])
         c.master_url = f"http://127.0.0.1:{mp}"
+        c.ports = {"cubelet grpc": g, "cubelet http": h, "master grpc": mp}
 
         ap, ep, metp = _free_port(), _free_port(), _free_port()
         acfg = os.path.join(root, "api.toml")
@@ -234,7 +237,7 @@ metrics_addr = "127.0.0.1:{_free_port()}"
 edge_addr = "127.0.0.1:{ep}"
 master_url = "{c.master_url}"
 metrics_addr = "127.0.0.1:{metp}"
-""")
+""" + api_extra)
         c.api_metrics_url = f"http://127.0.0.1:{metp}"
         c.start = start
         c.api_bin = api
@@ -243,6 +246,7 @@ metrics_addr = "127.0.0.1:{metp}"
               "cube-api", procs=[pa])
         c.api_url = f"http://127.0.0.1:{ap}"
         c.sandbox_url = f"http://127.0.0.1:{ep}"
+        c.ports.update({"api": ap, "edge": ep, "api metrics": metp})
         c.cubectl = [cubectl, "--master", c.master_url]
         out = subprocess.run(c.cubectl + ["apikey", "create", "--name", "e2e"], check=True,
                              capture_output=True, text=True)

@@ -15,6 +15,8 @@ import pytest
 
 from conftest import PROGRAMS, TEMPLATE, _bin, _cleanup_node, _free_port, _wait
 
+INSTALL = os.path.join(os.path.dirname(__file__), "..", "..", "deploy", "install.sh")
+
 
 def sh(*args, check=True):
     return subprocess.run(list(args), check=check, capture_output=True, text=True)
@@ -64,6 +66,16 @@ def fleet():
             shutil.copy(agent, stripped)
         hostroot = os.path.join(root, "hostroot")
         sh(cubelet, "host-root", hostroot, "--programs", PROGRAMS)
+        # The cubelets listen on their hosts' addresses, which the daemons allow only with
+        # mutual TLS: a fleet CA, a certificate per node, one for the master and one for clients.
+        pki = os.path.join(root, "pki")
+        sh("bash", INSTALL, "--make-ca", pki)
+        for name, san in [(h.name, f"IP:{h.ns_ip}") for h in hosts] + [("master", "IP:127.0.0.1"),
+                                                                        ("client", "IP:127.0.0.1")]:
+            sh("bash", INSTALL, "--issue-cert", name, "--pki", pki, "--san", san)
+
+        def tls(name):
+            return f'\n[tls]\nca = "{pki}/ca.pem"\ncert = "{pki}/{name}.pem"\nkey = "{pki}/{name}.key"\n'
         for i, h in enumerate(hosts):
             sh("ip", "netns", "add", h.netns)
             sh("ip", "link", "add", h.veth, "type", "veth", "peer", "name", "eth0", "netns", h.netns)
@@ -98,7 +110,7 @@ network = 0
 disks = 0
 [network]
 switch = "none"
-""")
+""" + tls(h.name))
             sh(cubelet, "--config", h.cfg, "build-template", TEMPLATE, "--dir", hostroot)
             # nsenter --net (not `ip netns exec`, which remounts /sys and hides the cgroup tree):
             # the cubelet shares the host's mounts but has only its own network stack.
@@ -120,7 +132,7 @@ node_poll_interval_ms = 300
 node_max_misses = 2
 reaper_interval_ms = 250
 metrics_addr = "127.0.0.1:{_free_port()}"
-""")
+""" + tls("master"))
         mlog = open(os.path.join(root, "master.log"), "w")
         logs.append(mlog)
         pm = subprocess.Popen([master, "--config", mcfg, "run"], stdout=mlog, stderr=subprocess.STDOUT)
@@ -131,13 +143,15 @@ metrics_addr = "127.0.0.1:{_free_port()}"
 edge_addr = "127.0.0.1:{ep}"
 master_url = "http://127.0.0.1:{mp}"
 metrics_addr = "127.0.0.1:{metp}"
-""")
+""" + tls("client"))
         alog = open(os.path.join(root, "api.log"), "w")
         logs.append(alog)
         pa = subprocess.Popen([api, "--config", acfg], stdout=alog, stderr=subprocess.STDOUT)
         procs.append(pa)
         _wait(lambda: httpx.get(f"http://127.0.0.1:{ap}/health", timeout=1).status_code == 200,
               "cube-api", procs=[pm, pa])
+        os.environ.update(CUBE_TLS_CA=f"{pki}/ca.pem", CUBE_TLS_CERT=f"{pki}/client.pem",
+                          CUBE_TLS_KEY=f"{pki}/client.key")
         ctl = [cubectl, "--master", f"http://127.0.0.1:{mp}"]
         _wait(lambda: sh(*ctl, "apikey", "list", check=False).returncode == 0, "cube-master", procs=[pm])
         key = sh(*ctl, "apikey", "create", "--name", "mn").stdout.strip()
@@ -163,6 +177,8 @@ metrics_addr = "127.0.0.1:{metp}"
                 _cleanup_node(h.root, f"cube-{h.name}")
             subprocess.run(["ip", "link", "del", h.veth], stderr=subprocess.DEVNULL)
             subprocess.run(["ip", "netns", "del", h.netns], stderr=subprocess.DEVNULL)
+        for k in ("CUBE_TLS_CA", "CUBE_TLS_CERT", "CUBE_TLS_KEY"):
+            os.environ.pop(k, None)
         if os.environ.get("CUBE_E2E_KEEP") != "1":
             shutil.rmtree(root, ignore_errors=True)
 

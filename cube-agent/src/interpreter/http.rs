@@ -118,22 +118,25 @@ async fn route(st: Arc<Interpreter>, req: Request<Incoming>) -> Resp {
     let path = parts.uri.path().trim_end_matches('/').to_string();
     let segs: Vec<&str> = path.split('/').filter(|s| !s.is_empty()).collect();
     let m = parts.method.clone();
+    // Every route but /health needs the envd token, as envd's do: contexts hold the sandbox
+    // user's state. The SDK sends it on /execute only; on the other routes it sends the
+    // traffic token, which the edge checks and replaces with the envd token.
+    if !(m == Method::GET && segs.as_slice() == ["health"])
+        && m != Method::OPTIONS
+        && !token_ok(&st, &parts.headers)
+    {
+        drain(&mut body).await;
+        return json_response(
+            401,
+            &serde_json::json!({"code": 401, "message": "unauthorized access, please provide a valid access token"}),
+        );
+    }
     match (m.as_str(), segs.as_slice()) {
         ("GET", ["health"]) => json_response(200, &serde_json::json!("OK")),
-        ("POST", ["execute"]) => {
-            // The SDK sends the access token only here (not on /contexts), like E2B's server.
-            if !token_ok(&st, &parts.headers) {
-                drain(&mut body).await;
-                return json_response(
-                    401,
-                    &serde_json::json!({"code": 401, "message": "unauthorized access, please provide a valid access token"}),
-                );
-            }
-            match read_body(&mut body, st.cfg.max_body_bytes).await {
-                Ok(b) => execute(st, &b),
-                Err(e) => text(413, e.message),
-            }
-        }
+        ("POST", ["execute"]) => match read_body(&mut body, st.cfg.max_body_bytes).await {
+            Ok(b) => execute(st, &b),
+            Err(e) => text(413, e.message),
+        },
         ("GET", ["contexts"]) => {
             let list: Vec<_> = st.registry.list().iter().map(|c| c.to_json()).collect();
             json_response(200, &serde_json::Value::Array(list))

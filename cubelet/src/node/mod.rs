@@ -35,6 +35,8 @@ pub struct CreateRequest {
     pub default_user: String,
     pub default_workdir: String,
     pub ready_timeout_ms: u32,
+    /// The master resolved `template` as one of the caller's snapshots (see node.proto).
+    pub from_snapshot: bool,
 }
 
 type Entry = Arc<tokio::sync::Mutex<SandboxState>>;
@@ -108,6 +110,8 @@ impl Node {
         for d in [&sandboxes_dir, &pool_disk_dir, &cfg.run_dir, &cfg.cache_dir] {
             std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
         }
+        crate::template::ensure_staging(&cfg.staging_dir())
+            .with_context(|| format!("staging directory {}", cfg.staging_dir().display()))?;
         let storage_mode =
             crate::storage::probe_reflink(&cfg.data_dir).context("probing reflink support")?;
         if storage_mode != CloneKind::Reflink {
@@ -221,6 +225,19 @@ impl Node {
                 .filter(|b| !b.is_empty())
                 .map(|s| s.as_str()),
         )?;
+        // A snapshot is another sandbox's disk (and memory): only a create the master pinned
+        // to it as the owner team's may use it, whatever the caller names.
+        let is_snapshot = manifest.source == crate::template::SNAPSHOT_SOURCE;
+        if is_snapshot != req.from_snapshot {
+            return Err(if is_snapshot {
+                NodeError::NotFound(format!("template {:?} not found", req.template))
+            } else {
+                NodeError::InvalidArgument(format!(
+                    "template {:?} is not a snapshot (from_snapshot is set)",
+                    req.template
+                ))
+            });
+        }
         let shape = defaults::shape(&h.cfg.sandbox, req.shape, manifest.rootfs.bytes)?;
         let spec = defaults::spec(&h.cfg.sandbox, &req, &rootfs, manifest.rootfs.bytes);
         let max = h.cfg.sandbox.max_sandboxes as usize;

@@ -84,8 +84,6 @@ pub struct Opts {
     pub disk_pool: u32,
     pub started: u32,
     pub max_sandboxes: u32,
-    /// gRPC on 0.0.0.0 instead of 127.0.0.1 (so a sandbox could try to reach it).
-    pub grpc_any: bool,
     /// `network.switch = "none"`.
     pub no_switch: bool,
 }
@@ -116,7 +114,7 @@ impl Cubelet {
         let pin_root = PathBuf::from(format!("/tmp/cubelet-bpf-{name}"));
         let nft_table = format!("cube_t_{name}");
         let cfg = format!(
-            r#"{runtime}grpc_addr = "{gip}:{g}"
+            r#"{runtime}grpc_addr = "127.0.0.1:{g}"
 http_addr = "127.0.0.1:{h}"
 data_dir = "{root}/data"
 run_dir = "{root}/run"
@@ -150,7 +148,6 @@ nft_table = "{nft_table}"
                 .runtime
                 .map(|r| format!("runtime = \"{r}\"\n"))
                 .unwrap_or_default(),
-            gip = if o.grpc_any { "0.0.0.0" } else { "127.0.0.1" },
             switch = if o.no_switch { "none" } else { "cube-vs" },
             pin = pin_root.display(),
             root = root.display(),
@@ -192,6 +189,19 @@ nft_table = "{nft_table}"
         std::fs::write(host.join("marker"), b"mini template\n").unwrap();
         c.cli(&["build-template", "mini", "--dir", host.to_str().unwrap()]);
         c
+    }
+
+    /// The node's staging directory (remote template imports read only from there); exists
+    /// once the cubelet has started (the data dir is its XFS mount).
+    pub fn staging(&self) -> PathBuf {
+        self.root.join("data").join(cubelet::config::STAGING_DIR)
+    }
+
+    /// Copies `src` into the staging directory as `name`, for an import over gRPC.
+    pub fn stage(&self, src: &Path, name: &str) -> PathBuf {
+        let dst = self.staging().join(name);
+        run_ok(Command::new("cp").arg("-a").arg(src).arg(&dst));
+        dst
     }
 
     pub fn cli(&self, args: &[&str]) -> String {
