@@ -139,20 +139,29 @@ pub fn open_tap(name: &str) -> Result<OwnedFd, ErrorReply> {
     }
     // No IFF_VNET_HDR: the device reads and writes bare frames (see the module docs).
     ifr.ifr_ifru.ifru_flags = (libc::IFF_TAP | libc::IFF_NO_PI) as libc::c_short;
-    // SAFETY: TUNSETIFF reads a valid ifreq; the fd is a tun control fd.
-    let r = unsafe {
-        libc::ioctl(
-            std::os::fd::AsRawFd::as_raw_fd(&fd),
-            libc::TUNSETIFF as _,
-            &mut ifr,
-        )
-    };
-    if r < 0 {
+    // EBUSY can be transient: cubelet attaches to the tap for a moment to hand it to this
+    // shim (TUNSETOWNER), and a process it forks meanwhile holds that fd until its exec.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+    loop {
+        // SAFETY: TUNSETIFF reads a valid ifreq; the fd is a tun control fd.
+        let r = unsafe {
+            libc::ioctl(
+                std::os::fd::AsRawFd::as_raw_fd(&fd),
+                libc::TUNSETIFF as _,
+                &mut ifr,
+            )
+        };
+        if r >= 0 {
+            break;
+        }
         let e = std::io::Error::last_os_error();
-        return Err(bad(
-            ErrorKind::BadRequest,
-            format!("attach to tap {name:?}: {e}"),
-        ));
+        if e.raw_os_error() != Some(libc::EBUSY) || std::time::Instant::now() >= deadline {
+            return Err(bad(
+                ErrorKind::BadRequest,
+                format!("attach to tap {name:?}: {e}"),
+            ));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(2));
     }
     // TUNSETIFF creates a missing interface instead of failing: a tap cubelet made is
     // persistent, one we just made is not (and goes away with `fd` here).
