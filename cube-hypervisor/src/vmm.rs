@@ -111,9 +111,12 @@ impl Vmm {
                 }
             }
         }
-        let cpuid = kvm_sys
+        let mut cpuid = kvm_sys
             .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
             .map_err(kvm("KVM_GET_SUPPORTED_CPUID"))?;
+        if pvm {
+            crate::arch::restrict_pv_features(&mut cpuid);
+        }
         // Guest user mode on PVM runs natively, with the host's XCR0; elsewhere the guest gets
         // only what the CPUID table's leaf 0xD offers.
         let xsave = XsaveLayout::of(&cpuid);

@@ -13,8 +13,11 @@
 //! at a tmpfs holding only its devices, its own work directory and its template; a PID
 //! namespace of its own (with its own `/proc`); its own unprivileged uid with every capability
 //! set empty; then seccomp with `ioctl` and `clone` argument filters. The hidden
-//! `--self-test-escapes` flag is a test aid that probes that jail from inside ([`probe`]). With `--build-template DIR` it does not serve: it boots the agent stand-in test guest
-//! once, snapshots it at its ready point into `DIR` and exits ([`template`]).
+//! `--self-test-escapes` flag is a test aid that probes that jail from inside ([`probe`]).
+//! With `--build-template DIR` it does not serve: it boots the template's guest (the agent
+//! stand-in, or a Linux kernel with `--kernel`) once, in the same jail when `--jail-root` is
+//! given and with the seccomp filter on before the guest runs, snapshots it at its ready point
+//! into `DIR` and exits ([`template`]).
 //!
 //! # Control API (version 1)
 //! Newline-delimited JSON over the unix socket; one request line → one response line, in

@@ -148,7 +148,11 @@ pub fn run(t: &Targets) -> Value {
         "paths_via_proc1": via_proc1.iter().map(|p| try_open(p, libc::O_RDONLY)).collect::<Vec<_>>(),
         "sockets": t.sockets.iter().map(|p| try_connect(p)).collect::<Vec<_>>(),
         "read_only": t.read_only.iter()
-            .map(|p| try_open(&p.join(".cube-probe"), libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL))
+            .map(|p| if p.is_dir() {
+                try_open(&p.join(".cube-probe"), libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL)
+            } else {
+                try_open(p, libc::O_WRONLY)
+            })
             .collect::<Vec<_>>(),
     })
 }

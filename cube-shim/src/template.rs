@@ -9,8 +9,8 @@
 //!   [`STANDIN_INIT_PORT`]. The template also carries a virtio-blk device on the template's disk
 //!   and a virtio-net device, which the stand-in does not drive (a real guest would), so
 //!   restores exercise the disk and tap plumbing.
-//! * Linux (a PVH vmlinux + rootfs with cube-agent as init) needs hardware KVM; this build
-//!   refuses it with a clear error (see `deploy/guest-kernel/linux-e2e.sh` for that path).
+//! * [`GuestKind::Linux`]: a PVH vmlinux with cube-agent as init on the template's disk; ready
+//!   once the agent asks for its init payload.
 
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::path::Path;
@@ -70,9 +70,12 @@ pub struct LinuxBoot {
 
 /// Kernel arguments a PVM host needs (its KVM emulates guest kernel mode for kernels that are
 /// not PVM-enlightened, and that emulator cannot execute CMPXCHG16B, POPCNT, XSAVE/XRSTOR,
-/// CLAC/STAC, INT3 or VMCALL): hide those features, skip paravirt hypercalls, and turn on the
-/// guest kernel's `cube_pvm` patch (deploy/guest-kernel/patches/).
-pub const PVM_CMDLINE: &str = "cube_pvm clearcpuid=cx16,popcnt,smap noxsave nopv";
+/// CLAC/STAC, INT3 or VMCALL): hide those features, skip the one driver that makes a
+/// hypercall whatever KVM offers (`ptp_kvm`; the VMM offers no other paravirtual feature than
+/// the clock there, see `cube_hypervisor::arch::PVM_KVM_FEATURES`), and turn on the guest
+/// kernel's `cube_pvm` patch (deploy/guest-kernel/patches/).
+pub const PVM_CMDLINE: &str =
+    "cube_pvm clearcpuid=cx16,popcnt,smap noxsave initcall_blacklist=ptp_kvm_init";
 
 /// The full command line of a Linux template: the template's arguments, one
 /// `virtio_mmio.device=` per attached device, the init channel port, and on PVM hosts
@@ -109,12 +112,26 @@ pub enum BuildError {
 pub struct BuildSpec<'a> {
     pub kind: GuestKind,
     pub shape: Shape,
-    /// The template's disk image, attached as virtio-blk (opened read-only for the build).
-    pub disk: Option<&'a Path>,
+    /// The template's disk image, attached as virtio-blk ([`open_disk`]: a jailed build opens
+    /// it before it drops its privileges).
+    pub disk: Option<std::fs::File>,
     /// Attach a virtio-net device with this guest MAC.
     pub net_mac: Option<[u8; 6]>,
     /// Most time the guest may take to become ready.
     pub timeout: Duration,
+    /// Where the build's vsock sockets go (a private directory is made inside it); the temp
+    /// dir when `None`. A jailed build has no /tmp: cubelet passes its work directory.
+    pub scratch: Option<&'a Path>,
+}
+
+/// Opens a template's disk for a build of `kind`: a Linux guest mounts its root read-write
+/// (the build works on the copy that sandboxes are later cloned from, so disk and memory stay
+/// consistent); the stand-in never writes it.
+pub fn open_disk(path: &Path, kind: &GuestKind) -> std::io::Result<std::fs::File> {
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(matches!(kind, GuestKind::Linux(_)))
+        .open(path)
 }
 
 /// These polling guests have an empty IDT: mask the PIC as a real guest's interrupt setup
@@ -146,8 +163,19 @@ type StateFn = Box<dyn Fn() -> Result<Vec<u8>, BuildError>>;
 
 /// Boots the guest, waits for its ready point and snapshots it into `out` (which must not
 /// exist; it is written atomically by the hypervisor's snapshot code).
-pub fn build(spec: &BuildSpec<'_>, out: &Path) -> Result<cube_hypervisor::Manifest, BuildError> {
-    let vmm = Vmm::new()?;
+pub fn build(spec: BuildSpec<'_>, out: &Path) -> Result<cube_hypervisor::Manifest, BuildError> {
+    build_with(&Vmm::new()?, spec, out, &mut || Ok(()))
+}
+
+/// [`build`] on an open KVM. `before_guest_runs` is called once the VM, its devices and its
+/// kernel are set up, just before the guest's first instruction: the shim installs its
+/// seccomp filter there, so hostile guest code meets a filtered VMM.
+pub fn build_with(
+    vmm: &Vmm,
+    spec: BuildSpec<'_>,
+    out: &Path,
+    before_guest_runs: &mut dyn FnMut() -> Result<(), BuildError>,
+) -> Result<cube_hypervisor::Manifest, BuildError> {
     let mut vm = vmm.create_vm(spec.shape)?;
     let linux = match &spec.kind {
         GuestKind::AgentStandin => {
@@ -163,14 +191,9 @@ pub fn build(spec: &BuildSpec<'_>, out: &Path) -> Result<cube_hypervisor::Manife
     let mut states: Vec<(&str, StateFn)> = Vec::new();
     // The build's vsock socket lives in a private scratch dir under the temp dir: template dirs
     // can be deeper than a unix socket path allows (108 bytes).
-    let sock_dir = scratch_dir()?;
-    if let Some(disk) = spec.disk {
-        // A Linux guest mounts its root read-write: the build works on the copy that sandboxes
-        // are later cloned from, so disk and memory stay consistent.
-        let f = std::fs::OpenOptions::new()
-            .read(true)
-            .write(linux.is_some())
-            .open(disk)?;
+    let sock_dir = scratch_dir(spec.scratch)?;
+    let has_disk = spec.disk.is_some();
+    if let Some(f) = spec.disk {
         let irq = IrqLine::new(BLOCK_GSI)?;
         vm.register_irq(&irq)?;
         let t = MmioTransport::new(Block::new(f, false, "rootfs")?, vm.memory().clone(), irq)
@@ -214,7 +237,7 @@ pub fn build(spec: &BuildSpec<'_>, out: &Path) -> Result<cube_hypervisor::Manife
     let mut _ready_conn = None;
     if let Some(boot) = linux {
         let mut mmio = Vec::new();
-        if spec.disk.is_some() {
+        if has_disk {
             mmio.push((BLOCK_MMIO_BASE, BLOCK_GSI));
         }
         if spec.net_mac.is_some() {
@@ -230,8 +253,10 @@ pub fn build(spec: &BuildSpec<'_>, out: &Path) -> Result<cube_hypervisor::Manife
             &linux_cmdline(&boot.cmdline, &mmio, vmm.is_pvm()),
             &listener,
             spec.timeout,
+            before_guest_runs,
         )?);
     } else {
+        before_guest_runs()?;
         let report = vm.run_until(spec.timeout)?;
         if report.outcome != RunOutcome::PausePoint(STANDIN_READY) {
             return Err(BuildError::NotReady(format!(
@@ -258,6 +283,7 @@ fn boot_linux(
     cmdline: &str,
     listener: &std::os::unix::net::UnixListener,
     timeout: Duration,
+    before_guest_runs: &mut dyn FnMut() -> Result<(), BuildError>,
 ) -> Result<std::os::unix::net::UnixStream, BuildError> {
     use cube_hypervisor::devices::legacy::{
         I8042, I8042_PORT_BASE, I8042_PORT_LEN, SERIAL_GSI, SERIAL_PORT_BASE, SERIAL_PORT_LEN,
@@ -288,6 +314,7 @@ fn boot_linux(
         initramfs: boot.initramfs.clone(),
     })?;
     listener.set_nonblocking(true)?;
+    before_guest_runs()?;
     let deadline = std::time::Instant::now() + timeout;
     vm.resume()?;
     let result = loop {
@@ -354,8 +381,12 @@ impl Drop for ScratchDir {
     }
 }
 
-fn scratch_dir() -> Result<ScratchDir, BuildError> {
-    let d = std::env::temp_dir().join(format!("cube-shim-{}-{}", std::process::id(), nanos()));
+fn scratch_dir(parent: Option<&Path>) -> Result<ScratchDir, BuildError> {
+    let d = match parent {
+        // Short: the parent may already be deep (a unix socket path has 108 bytes).
+        Some(p) => p.join("vs"),
+        None => std::env::temp_dir().join(format!("cube-shim-{}-{}", std::process::id(), nanos())),
+    };
     std::fs::create_dir_all(&d)?;
     Ok(ScratchDir(d))
 }

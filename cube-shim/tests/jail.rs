@@ -22,6 +22,8 @@ struct Node {
     root: PathBuf,
     own: PathBuf,
     template: PathBuf,
+    /// A template's disk image, the one thing besides its work directory a build shim sees.
+    disk: PathBuf,
     secrets: Vec<PathBuf>,
     other_socket: PathBuf,
     _listener: UnixListener,
@@ -45,6 +47,11 @@ impl Node {
         std::fs::write(&other_disk, b"another tenant's disk").unwrap();
         std::fs::write(&secret, b"{\"node_secret\":\"s3cr3t\"}").unwrap();
         std::fs::write(template.join("manifest.json"), b"{}").unwrap();
+        let disk = data.join("templates/t/b1/rootfs.img");
+        std::fs::write(&disk, vec![0u8; 1 << 20]).unwrap();
+        // Writable by anyone: only the read-only bind may stop the build shim.
+        std::fs::set_permissions(&disk, std::os::unix::fs::PermissionsExt::from_mode(0o666))
+            .unwrap();
         let other_socket = other_work.join("ctl.sock");
         let listener = UnixListener::bind(&other_socket).unwrap();
         Node {
@@ -52,25 +59,42 @@ impl Node {
             _dir: dir,
             own,
             template,
+            disk,
             secrets: vec![other_disk, secret, data.join("sandboxes/other")],
             other_socket,
             _listener: listener,
         }
     }
 
-    /// Runs the jailed shim's probes (and fatal probe `fatal`, if any).
-    fn probe(&self, fatal: Option<&str>) -> (Output, u32) {
+    /// Runs the jailed shim's probes (and fatal probe `fatal`, if any): a serving shim, or a
+    /// template build (as cubelet runs it: its work directory and the disk, read-only) at the
+    /// point where its guest would start.
+    fn probe(&self, mode: Mode, fatal: Option<&str>) -> (Output, u32) {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_cube-shim"));
         cmd.args(["--vcpus", "1", "--mem-mib", "32"])
-            .arg("--socket")
-            .arg(self.own.join("ctl.sock"))
             .arg("--jail-root")
             .arg(&self.root)
             .arg("--jail-own")
-            .arg(&self.own)
-            .arg("--jail-bind-ro")
-            .arg(&self.template)
-            .arg("--self-test-escapes")
+            .arg(&self.own);
+        match mode {
+            Mode::Serve => cmd
+                .arg("--socket")
+                .arg(self.own.join("ctl.sock"))
+                .arg("--jail-bind-ro")
+                .arg(&self.template),
+            Mode::Build => cmd
+                .arg("--build-template")
+                .arg(self.own.join("snapshot"))
+                .arg("--build-scratch")
+                .arg(&self.own)
+                .arg("--net-mac")
+                .arg("02:cb:e0:00:00:02")
+                .arg("--disk")
+                .arg(&self.disk)
+                .arg("--jail-bind-ro")
+                .arg(&self.disk),
+        };
+        cmd.arg("--self-test-escapes")
             .arg("--self-test-socket")
             .arg(&self.other_socket);
         for p in &self.secrets {
@@ -91,6 +115,12 @@ impl Node {
         let pid = child.id();
         (child.wait_with_output().unwrap(), pid)
     }
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Mode {
+    Serve,
+    Build,
 }
 
 fn report(o: &Output) -> Value {
@@ -125,6 +155,17 @@ fn assert_unprivileged(ids: &Value, uid: u32, who: &str) {
 fn a_jailed_shim_cannot_reach_the_host_other_sandboxes_or_privileges() {
     cube_testkit::require_kvm!("shim_jail_escapes");
     cube_testkit::require_priv!("shim_jail_escapes");
+    escapes_fail(Mode::Serve);
+}
+
+#[test]
+fn a_jailed_template_build_cannot_reach_the_host_other_sandboxes_or_privileges() {
+    cube_testkit::require_kvm!("shim_build_jail_escapes");
+    cube_testkit::require_priv!("shim_build_jail_escapes");
+    escapes_fail(Mode::Build);
+}
+
+fn escapes_fail(mode: Mode) {
     let node = Node::new();
     // From the host the targets are there: the probes below fail because of the jail.
     for p in &node.secrets {
@@ -132,7 +173,7 @@ fn a_jailed_shim_cannot_reach_the_host_other_sandboxes_or_privileges() {
     }
     std::os::unix::net::UnixStream::connect(&node.other_socket).expect("other shim answers");
 
-    let (o, pid) = node.probe(None);
+    let (o, pid) = node.probe(mode, None);
     assert!(
         o.status.success(),
         "{}: {}",
@@ -185,12 +226,13 @@ fn a_jailed_shim_cannot_reach_the_host_other_sandboxes_or_privileges() {
     let socks = r["sockets"].as_array().unwrap();
     assert_eq!(socks.len(), 1);
     assert_eq!(socks[0]["connected"], false, "{r}");
-    // The template is read-only.
+    // The template (a build: the template's disk) is read-only.
     let ro = r["read_only"].as_array().unwrap();
     assert_eq!(ro.len(), 1);
     assert_eq!(ro[0]["opened"], false, "{r}");
     assert_eq!(ro[0]["errno"], libc::EROFS, "{r}");
     assert!(!node.template.join(".cube-probe").exists());
+    assert_eq!(std::fs::read(&node.disk).unwrap(), vec![0u8; 1 << 20]);
 
     // Its own uid, no capabilities in any set, on the main thread and on a new thread
     // (created through the clone filter), and clone3 refused with ENOSYS.
@@ -209,17 +251,29 @@ fn a_jailed_shim_cannot_reach_the_host_other_sandboxes_or_privileges() {
 fn a_jailed_shim_is_killed_for_calls_off_the_allow_list() {
     cube_testkit::require_kvm!("shim_jail_fatal_probes");
     cube_testkit::require_priv!("shim_jail_fatal_probes");
-    let node = Node::new();
+    fatal_probes_kill(Mode::Serve);
+}
+
+#[test]
+fn a_jailed_template_build_is_killed_for_calls_off_the_allow_list() {
+    cube_testkit::require_kvm!("shim_build_jail_fatal_probes");
+    cube_testkit::require_priv!("shim_build_jail_fatal_probes");
+    fatal_probes_kill(Mode::Build);
+}
+
+fn fatal_probes_kill(mode: Mode) {
     // An ioctl the hypervisor never makes (terminal injection, tap ownership, an unused KVM
-    // one), a new process or user namespace, unshare, setuid(0), mount.
+    // one), a new process or user namespace, unshare, setuid(0), mount. A node each: a killed
+    // shim leaves its work directory to its uid, as cubelet would discard it.
     for probe in cube_shim::probe::FATAL {
-        let (o, _) = node.probe(Some(probe));
+        let node = Node::new();
+        let (o, _) = node.probe(mode, Some(probe));
         // The report came first: the shim got through its setup before the attempt.
         let _ = report(&o);
         assert_eq!(
             o.status.signal(),
             Some(libc::SIGSYS),
-            "{probe}: {} {}",
+            "{mode:?} {probe}: {} {}",
             o.status,
             String::from_utf8_lossy(&o.stdout)
         );

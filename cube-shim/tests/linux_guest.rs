@@ -185,19 +185,20 @@ fn a_linux_guest_with_cube_agent_is_snapshotted_restored_initialised_and_resumed
     let tpl = work.path().join("tpl");
     let console = work.path().join("console.log");
     let t0 = Instant::now();
+    let kind = GuestKind::Linux(LinuxBoot {
+        kernel: kernel.clone(),
+        cmdline: "console=ttyS0 reboot=k panic=1 pci=off root=/dev/vda rw init=/sbin/init".into(),
+        initramfs: None,
+        console: Some(console.clone()),
+    });
     let built = template::build(
-        &BuildSpec {
-            kind: GuestKind::Linux(LinuxBoot {
-                kernel: kernel.clone(),
-                cmdline: "console=ttyS0 reboot=k panic=1 pci=off root=/dev/vda rw init=/sbin/init"
-                    .into(),
-                initramfs: None,
-                console: Some(console.clone()),
-            }),
+        BuildSpec {
+            disk: Some(template::open_disk(&tpl_disk, &kind).unwrap()),
+            kind,
             shape,
-            disk: Some(&tpl_disk),
             net_mac: Some([2, 0xcb, 0xe0, 0, 0, 2]),
             timeout: Duration::from_secs(300),
+            scratch: None,
         },
         &tpl,
     );

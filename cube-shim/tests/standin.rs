@@ -75,12 +75,13 @@ fn the_standin_template_restores_in_a_jailed_shim_and_asks_for_fresh_inits() {
     let disk = work.path().join("disk.img");
     std::fs::write(&disk, vec![0u8; 1 << 20]).unwrap();
     template::build(
-        &BuildSpec {
+        BuildSpec {
             kind: GuestKind::AgentStandin,
             shape,
-            disk: Some(&disk),
+            disk: Some(template::open_disk(&disk, &GuestKind::AgentStandin).unwrap()),
             net_mac: Some([2, 0xcb, 0xe0, 0, 0, 2]),
             timeout: Duration::from_secs(30),
+            scratch: None,
         },
         &tpl,
     )

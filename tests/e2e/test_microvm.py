@@ -23,18 +23,25 @@ def detail(cube, sid):
         return json.loads(r.read())
 
 
+# Guest kernel mode is emulated on PVM hosts, and on some of them (AMD, no TSC frequency in CPUID)
+# the guest keeps a periodic tick, so one call can take tens of seconds there: every request and
+# command gets a deadline well above the SDK's 60 s default (the test checks behaviour, not speed).
+SLOW = {"request_timeout": 300}
+CMD = {"timeout": 300}
+
+
 # The fixture boots the guest once to build the template's snapshot.
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1200)
 def test_linux_microvm_sandbox_lifecycle_through_the_sdk(cube_microvm):
     host_kernel = open("/proc/sys/kernel/osrelease").read().strip()
-    a = Sandbox.create(TEMPLATE, envs={"CUBE_WHO": "first"}, timeout=300)
+    a = Sandbox.create(TEMPLATE, envs={"CUBE_WHO": "first"}, timeout=300, **SLOW)
     b = None
     try:
         with microvm_logs.on_failure(cube_microvm):
             d = detail(cube_microvm, a.sandbox_id)
             assert (d["runtime"], d["isolation"]) == ("microvm", "hardware-virtualization"), d
             # Its own kernel (the guest's, not the host's), booted with the init channel.
-            r = a.commands.run("cat /proc/sys/kernel/osrelease /proc/cmdline; echo $CUBE_WHO")
+            r = a.commands.run("cat /proc/sys/kernel/osrelease /proc/cmdline; echo $CUBE_WHO", **CMD)
             lines = r.stdout.splitlines()
             assert lines[0] != host_kernel and lines[0].startswith("6.12"), r.stdout
             assert "cube.vsock_init=" in lines[1], r.stdout
@@ -46,33 +53,33 @@ def test_linux_microvm_sandbox_lifecycle_through_the_sdk(cube_microvm):
             a.commands.run("sleep 600", background=True)
             snap = a.create_snapshot()
             try:
-                f = Sandbox.create(snap.snapshot_id, envs={"CUBE_WHO": "fork"}, timeout=300)
+                f = Sandbox.create(snap.snapshot_id, envs={"CUBE_WHO": "fork"}, timeout=300, **SLOW)
                 try:
-                    assert "sleep" in f.commands.run("cat /proc/[0-9]*/comm").stdout.split()
+                    assert "sleep" in f.commands.run("cat /proc/[0-9]*/comm", **CMD).stdout.split()
                     assert f.files.read("/home/user/note.txt") == "kept across pause"
-                    assert f.commands.run("echo $CUBE_WHO").stdout == "fork\n"
+                    assert f.commands.run("echo $CUBE_WHO", **CMD).stdout == "fork\n"
                 finally:
                     f.kill()
             finally:
                 Sandbox.delete_snapshot(snap.snapshot_id)
-            assert a.commands.run("echo $CUBE_WHO").stdout == "first\n"
+            assert a.commands.run("echo $CUBE_WHO", **CMD).stdout == "first\n"
 
             # A second copy of the same snapshot: its own settings and its own RNG state.
-            b = Sandbox.create(TEMPLATE, envs={"CUBE_WHO": "second"}, timeout=300)
-            assert b.commands.run("echo $CUBE_WHO").stdout == "second\n"
+            b = Sandbox.create(TEMPLATE, envs={"CUBE_WHO": "second"}, timeout=300, **SLOW)
+            assert b.commands.run("echo $CUBE_WHO", **CMD).stdout == "second\n"
             def rnd(s):
-                s.commands.run("head -c 16 /dev/urandom > /tmp/rnd")
+                s.commands.run("head -c 16 /dev/urandom > /tmp/rnd", **CMD)
                 return bytes(s.files.read("/tmp/rnd", format="bytes"))
             ra, rb = rnd(a), rnd(b)
             assert len(ra) == 16 and ra != rb
-            assert b.commands.run("cat /home/user/note.txt 2>&1 || true").stdout != "kept across pause"
+            assert b.commands.run("cat /home/user/note.txt 2>&1 || true", **CMD).stdout != "kept across pause"
 
             # Pause (guest memory to disk) and connect (restore in the same shim).
             a.pause()
             assert Sandbox.get_info(a.sandbox_id).state.value == "paused"
-            a2 = Sandbox.connect(a.sandbox_id)
+            a2 = Sandbox.connect(a.sandbox_id, **SLOW)
             assert a2.files.read("/home/user/note.txt") == "kept across pause"
-            assert a2.commands.run("echo $CUBE_WHO").stdout == "first\n"
+            assert a2.commands.run("echo $CUBE_WHO", **CMD).stdout == "first\n"
     finally:
         a.kill()
         if b is not None:

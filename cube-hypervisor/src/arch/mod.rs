@@ -224,6 +224,27 @@ pub fn set_lint(lapic: &mut kvm_lapic_state) {
     patch(lapic, 0x360, 0x4); // LVT LINT1: NMI
 }
 
+/// KVM's paravirtual features (CPUID 0x4000_0001 EAX) a guest may use on a PVM host: the
+/// clock only. The others call into KVM with `VMCALL`/`VMMCALL` (PV spinlock kicks, IPIs,
+/// sched yield, page-state hypercalls), which PVM's emulation of guest kernel mode cannot run,
+/// or rely on async page faults; without a clock of its own a guest on a host whose CPUID gives
+/// no TSC frequency (AMD) cannot calibrate its TSC, falls back to jiffies and keeps a periodic
+/// tick, which there costs about a host core per idle guest.
+pub const PVM_KVM_FEATURES: u32 = (1 << 0) // KVM_FEATURE_CLOCKSOURCE
+    | (1 << 3) // KVM_FEATURE_CLOCKSOURCE2
+    | (1 << 24); // KVM_FEATURE_CLOCKSOURCE_STABLE_BIT
+
+/// Restricts the KVM paravirtual features offered to a guest on a PVM host to
+/// [`PVM_KVM_FEATURES`].
+pub fn restrict_pv_features(cpuid: &mut CpuId) {
+    for e in cpuid.as_mut_slice() {
+        if e.function == 0x4000_0001 {
+            e.eax &= PVM_KVM_FEATURES;
+            e.edx = 0; // hints (realtime, ...)
+        }
+    }
+}
+
 /// Adapts the host-supported CPUID for vCPU `id` (APIC ids, hypervisor bit).
 pub fn patch_cpuid(cpuid: &mut CpuId, id: usize, vcpus: usize) {
     for e in cpuid.as_mut_slice() {
@@ -236,7 +257,75 @@ pub fn patch_cpuid(cpuid: &mut CpuId, id: usize, vcpus: usize) {
                 }
             }
             0xb | 0x1f => e.edx = id as u32,
+            // AMD's extended APIC id (and core id: one thread per core), which its guests read
+            // for their topology.
+            0x8000_001e => {
+                e.eax = id as u32;
+                e.ebx = (e.ebx & !0xff) | (id as u32 & 0xff);
+            }
             _ => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvm_bindings::kvm_cpuid_entry2;
+
+    fn leaf(function: u32, eax: u32, ebx: u32, edx: u32) -> kvm_cpuid_entry2 {
+        kvm_cpuid_entry2 {
+            function,
+            eax,
+            ebx,
+            edx,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_pvm_guest_is_offered_the_kvm_clock_and_nothing_that_needs_a_hypercall() {
+        // What KVM offers: clock (0, 3, 24), PV EOI (6), unhalt (7), send-IPI (11),
+        // sched-yield (13), async PF (4, 14), steal time (5); a realtime hint in EDX.
+        let offered = (1 << 0)
+            | (1 << 3)
+            | (1 << 4)
+            | (1 << 5)
+            | (1 << 6)
+            | (1 << 7)
+            | (1 << 11)
+            | (1 << 13)
+            | (1 << 14)
+            | (1 << 24);
+        let mut c =
+            CpuId::from_entries(&[leaf(0x4000_0001, offered, 0, 1), leaf(1, !0, 0, 0)]).unwrap();
+        restrict_pv_features(&mut c);
+        let e = c.as_slice();
+        assert_eq!(e[0].eax, (1 << 0) | (1 << 3) | (1 << 24));
+        assert_eq!(e[0].edx, 0);
+        assert_eq!(e[1].eax, !0, "other leaves untouched");
+    }
+
+    #[test]
+    fn each_vcpu_gets_its_own_apic_id_in_every_topology_leaf() {
+        for id in 0..3usize {
+            let mut c = CpuId::from_entries(&[
+                leaf(1, 0, 0x00ff_1234, 0),
+                leaf(0xb, 0, 0, 0),
+                leaf(0x8000_001e, 0, 0x0000_0100, 0),
+            ])
+            .unwrap();
+            patch_cpuid(&mut c, id, 3);
+            let e = c.as_slice();
+            assert_eq!(e[0].ebx >> 24, id as u32);
+            assert_eq!((e[0].ebx >> 16) & 0xff, 3);
+            assert_eq!(e[1].edx, id as u32);
+            assert_eq!(e[2].eax, id as u32, "AMD extended APIC id");
+            assert_eq!(
+                e[2].ebx,
+                0x100 | id as u32,
+                "core id, threads per core kept"
+            );
         }
     }
 }

@@ -122,16 +122,33 @@ impl Microvm {
         if dir.join("manifest.json").exists() {
             return Ok(dir);
         }
-        let (shim, guest, out, disk, mac) = (
-            p.spawner.binary.clone(),
+        let key = format!("build-{}", new_key());
+        let (spawner, guest, out, disk, mac, cg) = (
+            p.spawner.clone(),
             p.guest.clone(),
             dir.clone(),
             rootfs.to_path_buf(),
             self.host.identity.guest_mac,
+            self.host.cg.clone(),
+        );
+        let limits = self.host.limits(
+            crate::sandbox::Shape {
+                vcpus,
+                memory_mib: mem_mib,
+                disk_mib: 0,
+            },
+            self.host.cfg.microvm.mem_overhead_mib,
         );
         let t0 = Instant::now();
         blocking(move || {
-            microvm::build_snapshot(&shim, &guest, &out, vcpus, mem_mib, Some(&disk), mac)
+            cg.create(&key)
+                .and_then(|_| cg.set_limits(&key, limits))
+                .map_err(|e| MicroVmError::Build(format!("cgroup: {e}")))?;
+            let r = spawner.build_snapshot(&key, &guest, &out, vcpus, mem_mib, Some(&disk), mac);
+            if let Err(e) = cg.destroy(&key) {
+                tracing::warn!(%key, error = %e, "template build cgroup");
+            }
+            r
         })
         .await
         .map_err(mvm_err("template snapshot"))?;

@@ -28,8 +28,9 @@
 //!   host port [`cube_shim::template::STANDIN_INIT_PORT`] after every restore or resume and gets
 //!   a fresh [`InitPayload`]: clock, 32 bytes of entropy from the host, env vars and token, so
 //!   no two copies of one snapshot share RNG state.
-//! * template snapshots: [`build_snapshot`] boots the guest once (`cube-shim --build-template`)
-//!   and snapshots it at its ready point into `templates/<t>/<build>/microvm-<v>c<m>m/`.
+//! * template snapshots: [`ShimSpawner::build_snapshot`] boots the guest once in a jailed
+//!   `cube-shim --build-template` and snapshots it at its ready point into
+//!   `templates/<t>/<build>/microvm-<v>c<m>m/`.
 
 use std::io::{Read, Write};
 use std::os::unix::process::CommandExt;
@@ -276,86 +277,202 @@ pub fn snapshot_dir(build_dir: &Path, vcpus: u32, mem_mib: u64) -> PathBuf {
     build_dir.join(format!("microvm-{vcpus}c{mem_mib}m"))
 }
 
-/// Boots the configured guest once and snapshots it at its ready point into `out`
-/// (`cube-shim --build-template`, so the guest never runs inside cubelet).
-pub fn build_snapshot(
-    shim: &Path,
-    guest: &Guest,
-    out: &Path,
-    vcpus: u32,
-    mem_mib: u64,
-    disk: Option<&Path>,
-    guest_mac: [u8; 6],
-) -> Result<(), MicroVmError> {
-    let staging = out.with_extension(format!("tmp{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&staging);
-    // A Linux guest boots (and writes) a clone of the template's image; that clone, as it was at
-    // the snapshot, is what its sandboxes are cloned from.
-    let linux_disk = match (guest, disk) {
-        (Guest::Linux(_), Some(d)) => {
-            let c = out.with_extension(format!("disk{}", std::process::id()));
-            let _ = std::fs::remove_file(&c);
-            crate::storage::clone_file(d, &c)
-                .map_err(|e| MicroVmError::Build(format!("clone {}: {e}", d.display())))?;
-            Some(c)
+impl ShimSpawner {
+    /// Boots the configured guest once and snapshots it at its ready point into `out`
+    /// (`cube-shim --build-template`, so the guest never runs inside cubelet). The build shim
+    /// is confined like a serving one (`key` names its cgroup under the parent, which the
+    /// caller created with the shape's limits, and its work and jail directories): the guest
+    /// boots the template's own image, so it is as hostile as any sandbox. Its work directory
+    /// holds everything it writes: the snapshot, the console log, the vsock sockets and, for a
+    /// Linux guest, the clone of the image it boots. Only the kernel and a stand-in's disk are
+    /// bound in besides, read-only.
+    #[allow(clippy::too_many_arguments)]
+    pub fn build_snapshot(
+        &self,
+        key: &str,
+        guest: &Guest,
+        out: &Path,
+        vcpus: u32,
+        mem_mib: u64,
+        disk: Option<&Path>,
+        guest_mac: [u8; 6],
+    ) -> Result<(), MicroVmError> {
+        let work = self.work_for(key);
+        std::fs::create_dir(&work)?;
+        let r = self.run_build(key, &work, guest, out, vcpus, mem_mib, disk, guest_mac);
+        self.cleanup(key);
+        r
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run_build(
+        &self,
+        key: &str,
+        work: &Path,
+        guest: &Guest,
+        out: &Path,
+        vcpus: u32,
+        mem_mib: u64,
+        disk: Option<&Path>,
+        guest_mac: [u8; 6],
+    ) -> Result<(), MicroVmError> {
+        use std::os::unix::fs::MetadataExt;
+        let build_err =
+            |what: &str, e: &dyn std::fmt::Display| MicroVmError::Build(format!("{what}: {e}"));
+        // Canonical paths: the jail binds each at its own path, and a bind follows no link.
+        let work = work
+            .canonicalize()
+            .map_err(|e| build_err(&work.display().to_string(), &e))?;
+        let snapshot = work.join("snapshot");
+        let console = work.join("console.log");
+        // A Linux guest boots (and writes) a clone of the template's image; that clone, as it
+        // was at the snapshot, is what its sandboxes are cloned from.
+        let linux_disk = match (guest, disk) {
+            (Guest::Linux(_), Some(d)) => {
+                let c = work.join(SNAPSHOT_DISK);
+                crate::storage::clone_file(d, &c)
+                    .map_err(|e| build_err(&format!("clone {}", d.display()), &e))?;
+                let m = std::fs::metadata(&c)?;
+                Some((c, m.dev(), m.ino()))
+            }
+            _ => None,
+        };
+        let standin_disk = match (guest, disk) {
+            (Guest::Linux(_), _) | (_, None) => None,
+            (_, Some(d)) => Some(
+                d.canonicalize()
+                    .map_err(|e| build_err(&d.display().to_string(), &e))?,
+            ),
+        };
+        let mac = guest_mac
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect::<Vec<_>>()
+            .join(":");
+        let mut cmd = Command::new(&self.binary);
+        cmd.arg("--vcpus")
+            .arg(vcpus.to_string())
+            .arg("--mem-mib")
+            .arg(mem_mib.to_string())
+            .arg("--build-template")
+            .arg(&snapshot)
+            .arg("--build-scratch")
+            .arg(&work)
+            .arg("--net-mac")
+            .arg(&mac)
+            .arg("--cgroup")
+            .arg(format!("{}/{key}", self.cgroup_parent))
+            .arg("--cgroup-root")
+            .arg(&self.cgroup_root)
+            .arg("--mem-overhead-mib")
+            .arg(self.mem_overhead_mib.to_string())
+            .env_clear()
+            .env("RUST_LOG", "warn");
+        if let Some((d, _, _)) = &linux_disk {
+            cmd.arg("--disk").arg(d);
+        } else if let Some(d) = &standin_disk {
+            cmd.arg("--disk").arg(d);
         }
-        _ => None,
-    };
-    let mac = guest_mac
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect::<Vec<_>>()
-        .join(":");
-    let mut cmd = Command::new(shim);
-    cmd.arg("--vcpus")
-        .arg(vcpus.to_string())
-        .arg("--mem-mib")
-        .arg(mem_mib.to_string())
-        .arg("--build-template")
-        .arg(&staging)
-        .arg("--net-mac")
-        .arg(&mac)
-        .env_clear()
-        .env("RUST_LOG", "warn");
-    if let Some(d) = linux_disk.as_deref().or(disk) {
-        cmd.arg("--disk").arg(d);
-    }
-    let console = out.with_extension("console.log");
-    if let Guest::Linux(k) = guest {
-        cmd.arg("--kernel")
-            .arg(k)
-            .arg("--cmdline")
-            .arg(LINUX_CMDLINE)
-            .arg("--console")
-            .arg(&console)
-            .arg("--build-timeout-ms")
-            .arg(LINUX_BUILD_TIMEOUT_MS.to_string());
-    }
-    let o = cmd
-        .output()
-        .map_err(|e| MicroVmError::Build(format!("run {}: {e}", shim.display())))?;
-    if !o.status.success() {
+        let kernel = match guest {
+            Guest::Linux(k) => Some(
+                k.canonicalize()
+                    .map_err(|e| build_err(&format!("kernel {}", k.display()), &e))?,
+            ),
+            _ => None,
+        };
+        if let Some(k) = &kernel {
+            cmd.arg("--kernel")
+                .arg(k)
+                .arg("--cmdline")
+                .arg(LINUX_CMDLINE)
+                .arg("--console")
+                .arg(&console)
+                .arg("--build-timeout-ms")
+                .arg(LINUX_BUILD_TIMEOUT_MS.to_string());
+        }
+        if self.jail {
+            cmd.arg("--jail-root")
+                .arg(self.roots_dir.join(key))
+                .arg("--jail-own")
+                .arg(&work);
+            for ro in kernel.iter().chain(standin_disk.iter()) {
+                cmd.arg("--jail-bind-ro").arg(ro);
+            }
+        }
+        let o = cmd
+            .output()
+            .map_err(|e| build_err(&format!("run {}", self.binary.display()), &e))?;
+        // The console log is the build's record either way; it leaves the work directory only
+        // as a plain file (the shim owned the directory and could have put anything there).
+        let console_out = out.with_extension("console.log");
+        let _ = std::fs::remove_file(&console_out);
+        if kernel.is_some()
+            && plain_file(&console)
+            && std::fs::rename(&console, &console_out).is_ok()
+        {
+            let _ = std::os::unix::fs::lchown(&console_out, Some(0), Some(0));
+        }
+        if !o.status.success() {
+            let mut msg = String::from_utf8_lossy(&o.stderr).trim().to_string();
+            if kernel.is_some() {
+                msg.push_str(&format!(" (guest console: {})", console_out.display()));
+            }
+            return Err(MicroVmError::Build(msg));
+        }
+        check_snapshot_dir(&snapshot)?;
+        chown_tree_to_root(&snapshot)?;
+        if let Some((d, dev, ino)) = &linux_disk {
+            // The clone cubelet made, not a file the shim put in its place.
+            let m = std::fs::symlink_metadata(d)?;
+            if !m.file_type().is_file() || m.dev() != *dev || m.ino() != *ino || m.nlink() != 1 {
+                return Err(MicroVmError::Build(format!(
+                    "the build shim replaced its disk {}",
+                    d.display()
+                )));
+            }
+            std::fs::rename(d, snapshot.join(SNAPSHOT_DISK))?;
+        }
+        // Replacing an older snapshot: sandboxes restored from it keep the old files (mapped).
+        let staging = out.with_extension(format!("tmp{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&staging);
-        if let Some(c) = &linux_disk {
-            let _ = std::fs::remove_file(c);
+        std::fs::rename(&snapshot, &staging)?;
+        if out.exists() {
+            let old = out.with_extension(format!("old{}", std::process::id()));
+            std::fs::rename(out, &old)?;
+            std::fs::rename(&staging, out)?;
+            let _ = std::fs::remove_dir_all(&old);
+        } else {
+            std::fs::rename(&staging, out)?;
         }
-        let mut msg = String::from_utf8_lossy(&o.stderr).trim().to_string();
-        if linux_disk.is_some() {
-            msg.push_str(&format!(" (guest console: {})", console.display()));
+        Ok(())
+    }
+}
+
+/// A regular file (not a link, not hard-linked elsewhere).
+fn plain_file(p: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::symlink_metadata(p).is_ok_and(|m| m.file_type().is_file() && m.nlink() == 1)
+}
+
+/// A snapshot a build shim wrote is flat: plain files only. Anything else (a link a
+/// compromised shim planted towards a host file, a directory) refuses the snapshot before it
+/// becomes a template that cubelet and other shims read.
+fn check_snapshot_dir(dir: &Path) -> Result<(), MicroVmError> {
+    let m = std::fs::symlink_metadata(dir)?;
+    if !m.file_type().is_dir() {
+        return Err(MicroVmError::Build(format!(
+            "the build left no snapshot directory at {}",
+            dir.display()
+        )));
+    }
+    for e in std::fs::read_dir(dir)? {
+        let p = e?.path();
+        if !plain_file(&p) {
+            return Err(MicroVmError::Build(format!(
+                "the build shim left {} in its snapshot, which is not a plain file",
+                p.display()
+            )));
         }
-        return Err(MicroVmError::Build(msg));
-    }
-    if let Some(c) = &linux_disk {
-        std::fs::rename(c, staging.join(SNAPSHOT_DISK))?;
-    }
-    // Replacing an older snapshot: sandboxes restored from it keep the old files (mapped).
-    if out.exists() {
-        let old = out.with_extension(format!("old{}", std::process::id()));
-        std::fs::rename(out, &old)?;
-        std::fs::rename(&staging, out)?;
-        let _ = std::fs::remove_dir_all(&old);
-    } else {
-        std::fs::rename(&staging, out)?;
     }
     Ok(())
 }
@@ -562,6 +679,35 @@ fn serve_init(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_build_snapshot_is_accepted_only_as_plain_files() {
+        let d = tempfile::tempdir().unwrap();
+        let snap = d.path().join("snapshot");
+        std::fs::create_dir(&snap).unwrap();
+        std::fs::write(snap.join("memory.img"), b"m").unwrap();
+        std::fs::write(snap.join("manifest.json"), b"{}").unwrap();
+        check_snapshot_dir(&snap).unwrap();
+        // What a compromised build shim could leave for cubelet or a later shim to follow.
+        std::os::unix::fs::symlink("/etc/shadow", snap.join("vmstate.bin")).unwrap();
+        let e = check_snapshot_dir(&snap).unwrap_err().to_string();
+        assert!(
+            e.contains("vmstate.bin") && e.contains("not a plain file"),
+            "{e}"
+        );
+        std::fs::remove_file(snap.join("vmstate.bin")).unwrap();
+        std::fs::hard_link(snap.join("memory.img"), d.path().join("elsewhere")).unwrap();
+        assert!(check_snapshot_dir(&snap).is_err(), "a hard-linked file");
+        std::fs::remove_file(d.path().join("elsewhere")).unwrap();
+        std::fs::create_dir(snap.join("sub")).unwrap();
+        assert!(check_snapshot_dir(&snap).is_err(), "a directory");
+        std::fs::remove_dir(snap.join("sub")).unwrap();
+        check_snapshot_dir(&snap).unwrap();
+        // No snapshot at all (the shim replaced it with a link).
+        let link = d.path().join("link");
+        std::os::unix::fs::symlink(&snap, &link).unwrap();
+        assert!(check_snapshot_dir(&link).is_err());
+    }
 
     #[test]
     fn init_payload_round_trips_and_is_fresh() {
