@@ -195,9 +195,6 @@ def test_a_sandbox_reaches_no_node_service_and_not_b(cube, teams, b_sandbox, net
         lst.close()
 
 
-# Longer than the suite's 120 s: on a microVM on a PVM host each send runs through the guest's
-# emulated kernel mode.
-@pytest.mark.timeout(900)
 def test_udp_to_70000_destinations_leaves_b_healthy(cube, teams, b_sandbox, net_probe):
     ka, _ = teams
     _, b = b_sandbox
@@ -208,8 +205,7 @@ def test_udp_to_70000_destinations_leaves_b_healthy(cube, teams, b_sandbox, net_
     try:
         a.files.write("/tmp/net_probe", net_probe)
         a.commands.run("chmod 755 /tmp/net_probe", user="root")
-        r = a.commands.run("/tmp/net_probe udp 70000", user="root", timeout=800,
-                           request_timeout=800)
+        r = a.commands.run("/tmp/net_probe udp 70000", user="root", timeout=240)
         assert r.stdout.startswith("udp sent"), r.stdout
         # B still answers, runs and writes; a new sandbox of B's team still comes up.
         for i in range(5):

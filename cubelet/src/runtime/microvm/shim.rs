@@ -117,6 +117,39 @@ impl ShimSpawner {
         (self.jail && pid > 0).then(|| cube_shim::jail::shim_id(pid as u32))
     }
 
+    /// A cube-shim command for `key`'s shape, cgroup `<parent>/<key>` and, when shims are
+    /// jailed, its jail (work directory `work`, the paths `ro` read-only); with the jail root.
+    fn command<'a>(
+        &self,
+        key: &str,
+        work: &Path,
+        vcpus: u32,
+        mem_mib: u64,
+        ro: impl IntoIterator<Item = &'a Path>,
+    ) -> (Command, Option<PathBuf>) {
+        let mut cmd = Command::new(&self.binary);
+        cmd.arg("--vcpus")
+            .arg(vcpus.to_string())
+            .arg("--mem-mib")
+            .arg(mem_mib.to_string())
+            .arg("--cgroup")
+            .arg(format!("{}/{key}", self.cgroup_parent))
+            .arg("--cgroup-root")
+            .arg(&self.cgroup_root)
+            .arg("--mem-overhead-mib")
+            .arg(self.mem_overhead_mib.to_string())
+            .env_clear()
+            .env("RUST_LOG", "warn");
+        let jail_root = self.jail.then(|| self.roots_dir.join(key));
+        if let Some(r) = &jail_root {
+            cmd.arg("--jail-root").arg(r).arg("--jail-own").arg(work);
+            for p in ro {
+                cmd.arg("--jail-bind-ro").arg(p);
+            }
+        }
+        (cmd, jail_root)
+    }
+
     /// Spawns a shim for `shape` (optionally prepared for `template`) in cgroup
     /// `<parent>/<key>` (which the caller created with its limits) and waits until it answers.
     pub fn spawn(
@@ -132,34 +165,12 @@ impl ShimSpawner {
         // Fresh and empty: the shim hands it to its own uid.
         std::fs::create_dir(&work)?;
         let log = std::fs::File::create(self.shims_dir.join(format!("{key}.log")))?;
-        let mut cmd = Command::new(&self.binary);
-        cmd.arg("--vcpus")
-            .arg(vcpus.to_string())
-            .arg("--mem-mib")
-            .arg(mem_mib.to_string())
-            .arg("--socket")
-            .arg(&socket)
-            .arg("--cgroup")
-            .arg(format!("{}/{key}", self.cgroup_parent))
-            .arg("--cgroup-root")
-            .arg(&self.cgroup_root)
-            .arg("--mem-overhead-mib")
-            .arg(self.mem_overhead_mib.to_string());
+        let (mut cmd, jail_root) = self.command(key, &work, vcpus, mem_mib, template);
+        cmd.arg("--socket").arg(&socket);
         if let Some(t) = template {
             cmd.arg("--template").arg(t);
         }
-        let jail_root = self.jail.then(|| self.roots_dir.join(key));
-        if let Some(r) = &jail_root {
-            cmd.arg("--jail-root").arg(r).arg("--jail-own").arg(&work);
-            if let Some(t) = template {
-                cmd.arg("--jail-bind-ro").arg(t);
-            }
-        }
-        cmd.env_clear()
-            .env("RUST_LOG", "warn")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(log);
+        cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(log);
         // Its own session: signals to cubelet's process group must not reach sandboxes, which
         // outlive a cubelet restart.
         // SAFETY: setsid is async-signal-safe.
@@ -349,30 +360,6 @@ impl ShimSpawner {
             .map(|b| format!("{b:02x}"))
             .collect::<Vec<_>>()
             .join(":");
-        let mut cmd = Command::new(&self.binary);
-        cmd.arg("--vcpus")
-            .arg(vcpus.to_string())
-            .arg("--mem-mib")
-            .arg(mem_mib.to_string())
-            .arg("--build-template")
-            .arg(&snapshot)
-            .arg("--build-scratch")
-            .arg(&work)
-            .arg("--net-mac")
-            .arg(&mac)
-            .arg("--cgroup")
-            .arg(format!("{}/{key}", self.cgroup_parent))
-            .arg("--cgroup-root")
-            .arg(&self.cgroup_root)
-            .arg("--mem-overhead-mib")
-            .arg(self.mem_overhead_mib.to_string())
-            .env_clear()
-            .env("RUST_LOG", "warn");
-        if let Some((d, _, _)) = &linux_disk {
-            cmd.arg("--disk").arg(d);
-        } else if let Some(d) = &standin_disk {
-            cmd.arg("--disk").arg(d);
-        }
         let kernel = match guest {
             Guest::Linux(k) => Some(
                 k.canonicalize()
@@ -380,6 +367,24 @@ impl ShimSpawner {
             ),
             _ => None,
         };
+        // Bound read-only into its jail: the kernel, a stand-in's disk.
+        let ro: Vec<&Path> = kernel
+            .iter()
+            .chain(standin_disk.iter())
+            .map(|p| p.as_path())
+            .collect();
+        let (mut cmd, _) = self.command(key, &work, vcpus, mem_mib, ro);
+        cmd.arg("--build-template")
+            .arg(&snapshot)
+            .arg("--build-scratch")
+            .arg(&work)
+            .arg("--net-mac")
+            .arg(&mac);
+        if let Some((d, _, _)) = &linux_disk {
+            cmd.arg("--disk").arg(d);
+        } else if let Some(d) = &standin_disk {
+            cmd.arg("--disk").arg(d);
+        }
         if let Some(k) = &kernel {
             cmd.arg("--kernel")
                 .arg(k)
@@ -389,15 +394,6 @@ impl ShimSpawner {
                 .arg(&console)
                 .arg("--build-timeout-ms")
                 .arg(LINUX_BUILD_TIMEOUT_MS.to_string());
-        }
-        if self.jail {
-            cmd.arg("--jail-root")
-                .arg(self.roots_dir.join(key))
-                .arg("--jail-own")
-                .arg(&work);
-            for ro in kernel.iter().chain(standin_disk.iter()) {
-                cmd.arg("--jail-bind-ro").arg(ro);
-            }
         }
         let o = cmd
             .output()
