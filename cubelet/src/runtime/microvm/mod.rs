@@ -131,14 +131,7 @@ impl Microvm {
             self.host.identity.guest_mac,
             self.host.cg.clone(),
         );
-        let limits = self.host.limits(
-            crate::sandbox::Shape {
-                vcpus,
-                memory_mib: mem_mib,
-                disk_mib: 0,
-            },
-            self.host.cfg.microvm.mem_overhead_mib,
-        );
+        let limits = self.shim_limits(vcpus, mem_mib);
         let t0 = Instant::now();
         blocking(move || {
             cg.create(&key)
@@ -156,6 +149,18 @@ impl Microvm {
         Ok(dir)
     }
 
+    /// The cgroup limits of a shim of this shape: its vCPUs, guest RAM and the VMM's overhead.
+    fn shim_limits(&self, vcpus: u32, mem_mib: u64) -> crate::cgroup::Limits {
+        self.host.limits(
+            crate::sandbox::Shape {
+                vcpus,
+                memory_mib: mem_mib,
+                disk_mib: 0,
+            },
+            self.host.cfg.microvm.mem_overhead_mib,
+        )
+    }
+
     /// Spawns a shim (cgroup with the shape's limits first) off the async threads.
     async fn spawn_shim(
         &self,
@@ -167,14 +172,7 @@ impl Microvm {
         let key = new_key();
         let (cg, limits, k) = (
             self.host.cg.clone(),
-            self.host.limits(
-                crate::sandbox::Shape {
-                    vcpus,
-                    memory_mib: mem_mib,
-                    disk_mib: 0,
-                },
-                self.host.cfg.microvm.mem_overhead_mib,
-            ),
+            self.shim_limits(vcpus, mem_mib),
             key.clone(),
         );
         let spawner = p.spawner.clone();

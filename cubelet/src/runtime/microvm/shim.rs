@@ -308,26 +308,17 @@ impl ShimSpawner {
         disk: Option<&Path>,
         guest_mac: [u8; 6],
     ) -> Result<(), MicroVmError> {
+        use std::os::unix::fs::MetadataExt;
+        /// Removes the build's work and jail directories however the build ends.
+        struct Cleanup<'a>(&'a ShimSpawner, &'a str);
+        impl Drop for Cleanup<'_> {
+            fn drop(&mut self) {
+                self.0.cleanup(self.1);
+            }
+        }
         let work = self.work_for(key);
         std::fs::create_dir(&work)?;
-        let r = self.run_build(key, &work, guest, out, vcpus, mem_mib, disk, guest_mac);
-        self.cleanup(key);
-        r
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn run_build(
-        &self,
-        key: &str,
-        work: &Path,
-        guest: &Guest,
-        out: &Path,
-        vcpus: u32,
-        mem_mib: u64,
-        disk: Option<&Path>,
-        guest_mac: [u8; 6],
-    ) -> Result<(), MicroVmError> {
-        use std::os::unix::fs::MetadataExt;
+        let _cleanup = Cleanup(self, key);
         let build_err =
             |what: &str, e: &dyn std::fmt::Display| MicroVmError::Build(format!("{what}: {e}"));
         // Canonical paths: the jail binds each at its own path, and a bind follows no link.
@@ -338,22 +329,22 @@ impl ShimSpawner {
         let console = work.join("console.log");
         // A Linux guest boots (and writes) a clone of the template's image; that clone, as it
         // was at the snapshot, is what its sandboxes are cloned from.
-        let linux_disk = match (guest, disk) {
+        // A stand-in only reads the template's disk: it is bound in read-only.
+        let (linux_disk, standin_disk) = match (guest, disk) {
             (Guest::Linux(_), Some(d)) => {
                 let c = work.join(SNAPSHOT_DISK);
                 crate::storage::clone_file(d, &c)
                     .map_err(|e| build_err(&format!("clone {}", d.display()), &e))?;
                 let m = std::fs::metadata(&c)?;
-                Some((c, m.dev(), m.ino()))
+                (Some((c, m.dev(), m.ino())), None)
             }
-            _ => None,
-        };
-        let standin_disk = match (guest, disk) {
-            (Guest::Linux(_), _) | (_, None) => None,
-            (_, Some(d)) => Some(
-                d.canonicalize()
-                    .map_err(|e| build_err(&d.display().to_string(), &e))?,
-            ),
+            (_, Some(d)) => {
+                let d = d
+                    .canonicalize()
+                    .map_err(|e| build_err(&d.display().to_string(), &e))?;
+                (None, Some(d))
+            }
+            (_, None) => (None, None),
         };
         let mac = guest_mac
             .iter()
@@ -380,9 +371,11 @@ impl ShimSpawner {
             .arg(&work)
             .arg("--net-mac")
             .arg(&mac);
-        if let Some((d, _, _)) = &linux_disk {
-            cmd.arg("--disk").arg(d);
-        } else if let Some(d) = &standin_disk {
+        if let Some(d) = linux_disk
+            .as_ref()
+            .map(|(d, _, _)| d)
+            .or(standin_disk.as_ref())
+        {
             cmd.arg("--disk").arg(d);
         }
         if let Some(k) = &kernel {
