@@ -15,6 +15,9 @@ use cube_hypervisor::devices::legacy::{
 use cube_hypervisor::loader::KernelConfig;
 use cube_hypervisor::{restore, test_guests, RunOutcome, Shape, Snapshot, VcpuEvent, Vm, Vmm};
 
+/// How often `boot` checks whether a quiet guest has halted for good.
+const HALT_LOOK_EVERY: Duration = Duration::from_secs(1);
+
 #[derive(Parser)]
 #[command(
     name = "cube-hypervisor",
@@ -276,6 +279,7 @@ fn main() -> Result<()> {
             );
             vm.resume()?;
             let deadline = (secs > 0).then(|| Instant::now() + Duration::from_secs(secs));
+            let mut last_look = Instant::now();
             loop {
                 if reset.read().is_ok() {
                     eprintln!("guest requested a reset");
@@ -290,7 +294,16 @@ fn main() -> Result<()> {
                         eprintln!("guest shut down");
                         break;
                     }
-                    _ => {}
+                    Some(_) => {}
+                    // A quiet guest may have powered off (no ACPI: every vCPU halts).
+                    None if last_look.elapsed() >= HALT_LOOK_EVERY => {
+                        last_look = Instant::now();
+                        if vm.halted_for_good()? {
+                            eprintln!("guest halted: every vCPU stopped with interrupts off");
+                            break;
+                        }
+                    }
+                    None => {}
                 }
             }
             vm.pause()?;

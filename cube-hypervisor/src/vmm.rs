@@ -19,6 +19,9 @@ use crate::vstate::memory::{GuestMemory, GuestRam};
 use crate::vstate::vcpu::{self, ExitContext, Vcpu, VcpuEvent, PVM_MSRS};
 use crate::vstate::xstate::{self, PvXstate, XsaveLayout};
 
+/// RFLAGS.IF: interrupts enabled.
+const RFLAGS_IF: u64 = 1 << 9;
+
 /// Shape of a VM: what a snapshot and a shell must agree on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Shape {
@@ -89,7 +92,8 @@ impl Vmm {
             Cap::Debugregs,
             Cap::MpState,
             Cap::VcpuEvents,
-            Cap::Xcrs,
+            // Not Cap::Xcrs: KVM offers it only where the CPU has XSAVE; without it guests
+            // use FXSAVE and a vCPU's saved XCR list is empty (vstate::vcpu).
             Cap::Xsave,
             Cap::ExtCpuid,
             Cap::ImmediateExit,
@@ -597,6 +601,28 @@ impl Vm {
             .ok_or_else(|| Error::InvalidConfig(format!("no vCPU {id}")))
     }
 
+    /// Whether the guest has stopped for good: every vCPU halted with interrupts disabled.
+    /// That is how Linux ends `poweroff` on a machine without ACPI (`machine_halt`), and only
+    /// an NMI, which this VMM never sends, could wake such a vCPU. The VM is paused to look and
+    /// resumed unless it has stopped.
+    pub fn halted_for_good(&mut self) -> Result<bool> {
+        self.pause()?;
+        let mut stopped = true;
+        for v in &self.vcpus {
+            let fd = v.shared.fd.lock().unwrap_or_else(|e| e.into_inner());
+            let mp = fd.get_mp_state().map_err(kvm("KVM_GET_MP_STATE"))?;
+            let regs = fd.get_regs().map_err(kvm("KVM_GET_REGS"))?;
+            if mp.mp_state != kvm_bindings::KVM_MP_STATE_HALTED || regs.rflags & RFLAGS_IF != 0 {
+                stopped = false;
+                break;
+            }
+        }
+        if !stopped {
+            self.resume()?;
+        }
+        Ok(stopped)
+    }
+
     /// General registers of a paused vCPU.
     pub fn regs(&self, id: usize) -> Result<kvm_regs> {
         self.require_paused("read registers")?;
@@ -699,6 +725,37 @@ mod tests {
             features: vec![0x00a1_0f11, 0xfffa_3203, 0x178b_fbff, leaf7_ebx],
             xcr0,
         }
+    }
+
+    #[test]
+    fn the_cpu_hash_ignores_intel_and_amd_per_cpu_ids_but_not_the_topology() {
+        let h = host("17", 0xf1bf_07ab, 0xe7);
+        let hash = |entries: &[kvm_bindings::kvm_cpuid_entry2]| {
+            cpu_model_hash(&h, &CpuId::from_entries(entries).unwrap(), &[0x10], false)
+        };
+        let e = |function, index, eax, ebx, edx| kvm_bindings::kvm_cpuid_entry2 {
+            function,
+            index,
+            eax,
+            ebx,
+            edx,
+            ..Default::default()
+        };
+        // Which host CPU answered shows in leaf 1's APIC id and Intel's x2APIC ids (0xB, 0x1F).
+        let base = hash(&[e(1, 0, 0x906ea, 0x0100_0800, 0), e(0x1f, 1, 4, 8, 3)]);
+        assert_eq!(
+            base,
+            hash(&[e(1, 0, 0x906ea, 0x0700_0800, 0), e(0x1f, 1, 4, 8, 6)])
+        );
+        // The topology itself (shift widths, counts) and the model do count.
+        assert_ne!(
+            base,
+            hash(&[e(1, 0, 0x906ea, 0x0100_0800, 0), e(0x1f, 1, 5, 8, 3)])
+        );
+        assert_ne!(
+            base,
+            hash(&[e(1, 0, 0x906eb, 0x0100_0800, 0), e(0x1f, 1, 4, 8, 3)])
+        );
     }
 
     #[test]

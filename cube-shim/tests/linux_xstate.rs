@@ -147,7 +147,7 @@ fn guest_processes_keep_their_own_vector_registers() {
     // The probe must have exercised the widest state there is, or it proved nothing about it.
     assert!(
         verdict.contains(LEVELS[host_level()]),
-        "{verdict} (host: {})",
+        "{verdict} (host: {}):\n{text}",
         LEVELS[host_level()]
     );
     if vmm.is_pvm() {

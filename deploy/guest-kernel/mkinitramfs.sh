@@ -3,12 +3,15 @@
 # (Debian's busybox-static) and an /init that mounts the pseudo filesystems,
 # prints a marker line with what the kernel found, and stops the machine.
 #
-#   mkinitramfs.sh [--out FILE] [--marker TEXT] [--busybox PATH]
+#   mkinitramfs.sh [--out FILE] [--marker TEXT] [--busybox PATH] [--stop reboot|poweroff]
 #
 #   --out FILE      output cpio (newc), gzip-compressed (default: out/initramfs.cpio.gz
 #                   next to this script)
 #   --marker TEXT   first word of the line /init prints (default: CUBE_GUEST_INIT_OK)
 #   --busybox PATH  static busybox to use (default: /bin/busybox from busybox-static)
+#   --stop HOW      reboot (default): reset through the i8042; poweroff: `poweroff -f`,
+#                   which without ACPI leaves every vCPU halted with interrupts off
+#                   (what a VMM must notice as the guest stopping)
 #
 # /init stops the VM with `reboot -f`: a microVM has no ACPI to power off
 # through, so with `reboot=k` the kernel resets through the i8042 controller,
@@ -20,19 +23,22 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 out="$here/out/initramfs.cpio.gz"
 marker=CUBE_GUEST_INIT_OK
 busybox=/bin/busybox
+stop=reboot
 
 die() { echo "mkinitramfs.sh: error: $*" >&2; exit 1; }
-usage() { sed -n '2,12p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,15p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2; }
 
 while [[ $# -gt 0 ]]; do
 	case "$1" in
 	--out) [[ $# -ge 2 ]] || usage; out=$2; shift 2 ;;
 	--marker) [[ $# -ge 2 ]] || usage; marker=$2; shift 2 ;;
+	--stop) [[ $# -ge 2 ]] || usage; stop=$2; shift 2 ;;
 	--busybox) [[ $# -ge 2 ]] || usage; busybox=$2; shift 2 ;;
 	-h | --help) usage ;;
 	*) echo "mkinitramfs.sh: unknown argument: $1" >&2; usage ;;
 	esac
 done
+[[ "$stop" == reboot || "$stop" == poweroff ]] || die "--stop must be reboot or poweroff, got '$stop'"
 [[ "$marker" =~ ^[A-Za-z0-9_.:-]+$ ]] || die "--marker must be one word of [A-Za-z0-9_.:-], got '$marker'"
 
 # The default busybox comes from busybox-static (Debian's plain busybox
@@ -83,10 +89,11 @@ for d in /sys/bus/virtio/devices/*; do
 	[ -e "\$d/device" ] && echo "virtio: \${d##*/} device-id=\$(cat \$d/device)"
 done
 sync
-# No ACPI: "power off" = reset through the i8042 (kernel parameter reboot=k).
-reboot -f
-# Only reached if the reset did not stop the VM.
-echo "$marker: reboot -f returned; halting" >&2
+# No ACPI: "power off" = reset through the i8042 (kernel parameter reboot=k) unless the
+# test wants the halt path (--stop poweroff).
+$stop -f
+# Only reached if the stop did not stop the VM.
+echo "$marker: $stop -f returned; halting" >&2
 exec sleep 2147483647
 EOF
 chmod 755 "$stage/init"

@@ -6,6 +6,7 @@ from $CUBE_AGENT_BIN (default: $CARGO_TARGET_DIR/debug/cube-agent). Needs root (
 """
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -114,6 +115,11 @@ def _stack(runtime, api_extra=""):
     v = subprocess.run([agent, "--version"], capture_output=True, text=True)
     if v.returncode != 0 or "cube-agent" not in v.stdout:
         pytest.fail(f"{agent} does not run (--version: rc={v.returncode} {v.stderr.strip()!r})")
+    # The runtime written in cubelet.toml: `runtime` itself, or "auto" where the host must make
+    # cubelet pick `runtime` by itself (tests/nested on SVM KVM); the choice is checked below.
+    configured = os.environ.get("CUBE_E2E_CONFIGURED_RUNTIME", runtime)
+    if configured not in (runtime, "auto"):
+        pytest.fail(f"CUBE_E2E_CONFIGURED_RUNTIME={configured!r}: want {runtime!r} or 'auto'")
     name = f"e2e{os.getpid()}" + {"microvm": "vm", "gvisor": "gv"}.get(runtime, "")
     # The switch's node-level state is this test node's own: a host address pool that no other
     # test cubelet uses, its own bpffs pin root and masquerade table (removed at teardown).
@@ -156,7 +162,7 @@ shims_per_template = 1
 {TEMPLATE} = {started}
 """
         with open(cfg, "w") as f:
-            f.write(f"""runtime = "{runtime}"
+            f.write(f"""runtime = "{configured}"
 node_id = "{name}"
 grpc_addr = "127.0.0.1:{g}"
 http_addr = "127.0.0.1:{h}"
@@ -199,6 +205,11 @@ nft_table = "{nft_table}"
         pl = start([cubelet, "--config", cfg, "run", "--kill-sandboxes-on-exit"], "cubelet.log")
         _wait(lambda: _port_open(g), "cubelet gRPC", procs=[pl])
         c.cubelet_http = f"http://127.0.0.1:{h}"
+        with open(os.path.join(root, "cubelet.log")) as f:
+            chosen = [re.sub(r"\x1b\[[0-9;]*m", "", l) for l in f if "runtime selected" in l]
+        if not chosen or f'runtime="{runtime}"' not in chosen[0] and f"runtime={runtime} " not in chosen[0]:
+            pytest.fail(f"runtime = {configured!r} did not select {runtime!r}: {chosen}")
+        print(f"cubelet: {chosen[0].strip()}")
         c.cubelet_grpc = f"127.0.0.1:{g}"
         c.runtime = runtime
         if runtime == "microvm":

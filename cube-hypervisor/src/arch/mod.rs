@@ -306,6 +306,50 @@ mod tests {
         assert_eq!(e[1].eax, !0, "other leaves untouched");
     }
 
+    fn sub(function: u32, index: u32, eax: u32, ebx: u32, edx: u32) -> kvm_cpuid_entry2 {
+        kvm_cpuid_entry2 {
+            index,
+            ..leaf(function, eax, ebx, edx)
+        }
+    }
+
+    // Intel hosts describe their topology in leaves 0xB and 0x1F (one entry per level), which
+    // TCG's SVM cannot show: every subleaf must carry the vCPU's x2APIC id, and nothing else of
+    // the table may change; no AMD leaf may appear on an Intel table.
+    #[test]
+    fn an_intel_table_gets_the_x2apic_id_in_every_level_of_0xb_and_0x1f_and_nothing_amd() {
+        let intel = [
+            sub(1, 0, 0x0009_06ea, 0x0010_0800, 0xbfeb_fbff),
+            sub(0xb, 0, 1, 2, 7),
+            sub(0xb, 1, 4, 8, 7),
+            sub(0x1f, 0, 1, 2, 7),
+            sub(0x1f, 1, 4, 8, 7),
+            sub(0x1f, 2, 5, 8, 7),
+            sub(0x8000_0001, 0, 0, 0, 0x2c10_0800),
+        ];
+        for id in [0usize, 5] {
+            let mut c = CpuId::from_entries(&intel).unwrap();
+            patch_cpuid(&mut c, id, 8);
+            let e = c.as_slice();
+            assert_eq!(e.len(), intel.len(), "no leaf added");
+            assert!(e.iter().all(|x| x.function != 0x8000_001e));
+            for (got, was) in e.iter().zip(&intel).filter(|(x, _)| x.function >= 0xb) {
+                if got.function == 0xb || got.function == 0x1f {
+                    assert_eq!(
+                        got.edx, id as u32,
+                        "x2APIC id in {:#x}.{}",
+                        got.function, got.index
+                    );
+                    assert_eq!((got.eax, got.ebx, got.ecx), (was.eax, was.ebx, was.ecx));
+                } else {
+                    assert_eq!(got.edx, was.edx, "{:#x} untouched", got.function);
+                }
+            }
+            assert_eq!(e[0].ebx >> 24, id as u32, "initial APIC id");
+            assert_eq!(e[0].edx & (1 << 28), 1 << 28, "HTT with 8 vCPUs");
+        }
+    }
+
     #[test]
     fn each_vcpu_gets_its_own_apic_id_in_every_topology_leaf() {
         for id in 0..3usize {

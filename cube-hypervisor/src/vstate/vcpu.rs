@@ -148,8 +148,12 @@ pub fn restore_state(fd: &VcpuFd, s: &VcpuState) -> Result<()> {
         .map_err(|e| rejected("KVM_SET_SREGS", e))?;
     // SAFETY: kvm_xsave is the fixed 4 KiB layout that KVM_GET_XSAVE returned.
     unsafe { fd.set_xsave(&s.xsave) }.map_err(|e| rejected("KVM_SET_XSAVE", e))?;
-    fd.set_xcrs(&s.xcrs)
-        .map_err(|e| rejected("KVM_SET_XCRS", e))?;
+    // A host without XSAVE saves no XCR (KVM_GET_XCRS answers an empty list) and refuses
+    // KVM_SET_XCRS outright.
+    if s.xcrs.nr_xcrs > 0 {
+        fd.set_xcrs(&s.xcrs)
+            .map_err(|e| rejected("KVM_SET_XCRS", e))?;
+    }
     fd.set_debug_regs(&s.debug_regs)
         .map_err(|e| rejected("KVM_SET_DEBUGREGS", e))?;
     fd.set_lapic(&s.lapic)

@@ -342,8 +342,8 @@ impl Microvm {
             tap_pool::set_owner(&tap, uid)
                 .map_err(|e| NodeError::Internal(format!("hand the tap to the shim: {e}")))?;
         }
-        let responder =
-            InitResponder::start(&vsock, body, shim.uid).map_err(mvm_err("init channel"))?;
+        let responder = InitResponder::start(&vsock, body, shim.uid, self.init_patience())
+            .map_err(mvm_err("init channel"))?;
         let tr = Instant::now();
         let socket = shim.socket.clone();
         let restored = blocking(move || {
@@ -421,8 +421,13 @@ impl Microvm {
         // The guest asks for a fresh init (clock, entropy) as soon as it runs again.
         let responder = match p.responders.lock().ok().and_then(|mut r| r.remove(&id)) {
             Some(r) => r,
-            None => InitResponder::start(&mv.vsock, mv.init.clone(), p.spawner.uid_of(st.pid))
-                .map_err(mvm_err("init channel"))?,
+            None => InitResponder::start(
+                &mv.vsock,
+                mv.init.clone(),
+                p.spawner.uid_of(st.pid),
+                p.init_patience(),
+            )
+            .map_err(mvm_err("init channel"))?,
         };
         responder.drain();
         let (socket, d2, disk, tap, vsock) = (
@@ -449,7 +454,7 @@ impl Microvm {
             )
         })
         .await;
-        let timeout = Duration::from_millis(u64::from(self.host.cfg.sandbox.ready_timeout_ms));
+        let timeout = self.init_patience();
         let (responder, ack) = tokio::task::spawn_blocking(move || {
             let a = r.and_then(|_| responder.wait_ack(timeout));
             (responder, a)
@@ -604,6 +609,11 @@ impl Microvm {
         }
     }
 
+    /// How long a guest may take over its init: the node's ready timeout.
+    fn init_patience(&self) -> Duration {
+        Duration::from_millis(u64::from(self.host.cfg.sandbox.ready_timeout_ms))
+    }
+
     /// At restart: whether a live microVM sandbox's shim still answers (then its init channel
     /// is served again).
     fn readopt_microvm(&self, st: &SandboxState) -> bool {
@@ -618,7 +628,12 @@ impl Microvm {
                 return false;
             }
         }
-        match InitResponder::start(&mv.vsock, mv.init.clone(), p.spawner.uid_of(st.pid)) {
+        match InitResponder::start(
+            &mv.vsock,
+            mv.init.clone(),
+            p.spawner.uid_of(st.pid),
+            p.init_patience(),
+        ) {
             Ok(r) => {
                 if let Ok(mut m) = p.responders.lock() {
                     m.insert(st.id.clone(), r);

@@ -559,11 +559,14 @@ impl InitResponder {
 
     /// Binds (replacing a stale socket) and serves in a thread (blocked in `accept`, so an
     /// idle sandbox costs no CPU) until dropped. `owner`: the jailed shim's uid, which needs
-    /// write permission on the socket to connect.
+    /// write permission on the socket to connect. `patience`: how long one guest may take to
+    /// say it is ready and to apply its payload (the node's ready timeout: a slow host, such as
+    /// nested virtualisation, must not fail a create that is within it).
     pub fn start(
         vsock: &Path,
         body: InitBody,
         owner: Option<u32>,
+        patience: Duration,
     ) -> Result<InitResponder, MicroVmError> {
         let path = Self::listen_path(vsock);
         let _ = std::fs::remove_file(&path);
@@ -589,10 +592,12 @@ impl InitResponder {
                         return;
                     }
                     let sent = match r {
-                        Ok((conn, _)) => tx.send(serve_init(conn, &body).map(|(p, c)| {
-                            _held = Some(c);
-                            p
-                        })),
+                        Ok((conn, _)) => {
+                            tx.send(serve_init(conn, &body, patience).map(|(p, c)| {
+                                _held = Some(c);
+                                p
+                            }))
+                        }
                         Err(e) => {
                             std::thread::sleep(Duration::from_millis(10));
                             tx.send(Err(format!("accept: {e}")))
@@ -644,8 +649,9 @@ impl Drop for InitResponder {
 fn serve_init(
     mut conn: std::os::unix::net::UnixStream,
     body: &InitBody,
+    patience: Duration,
 ) -> Result<(InitPayload, std::os::unix::net::UnixStream), String> {
-    conn.set_read_timeout(Some(Duration::from_secs(10)))
+    conn.set_read_timeout(Some(patience))
         .map_err(|e| e.to_string())?;
     let mut hello = [0u8; 4];
     conn.read_exact(&mut hello)

@@ -1,0 +1,175 @@
+#!/usr/bin/env bash
+# The microvm runtime on a hardware-virtualisation KVM, on a host that has none: QEMU's TCG
+# emulates an AMD CPU with SVM and nested paging, a Debian kernel booted on it (L1) loads kvm-amd,
+# and tests/nested/plan.sh runs Cube's Linux-guest microVM tests there against a real SVM
+# /dev/kvm, with the project's guest kernel on its stock parameters (no cube_pvm).
+#
+#   tests/nested/run.sh [--timeout S] [--mem MIB] [--only STEP,...] [--keep]
+#
+#   --timeout S  stop L1 after S seconds (default 2400); a step that has not reported by then fails
+#   --mem MIB    L1 memory (default 10240)
+#   --only S,..  run only these steps of tests/nested/steps (debugging; CI runs them all)
+#   --keep       keep the results directory (its path is printed)
+#
+# L1's root is this machine's / shared read-only over 9p under a tmpfs overlay: L1 runs the very
+# binaries, virtualenvs and guest kernel this host built (tests/run.sh builds them first), and it
+# cannot write to the host. Only the results directory is shared read-write: plan.sh appends
+# "PASS|FAIL <step> <seconds>" to results/steps and each step's output to results/<step>.log.
+# Exit status 0 only when every step in tests/nested/steps passed. Needs root, qemu-system-x86,
+# busybox-static and the package index (the L1 kernel comes from Debian's linux-image-amd64,
+# unpacked under /var/cache/cube/nested, never installed on this host).
+set -euo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+repo=$(cd "$here/../.." && pwd)
+timeout_s=2400
+mem=10240
+keep=0
+only=""
+die() { echo "nested: FAIL: $*" >&2; exit 1; }
+usage() { sed -n '2,21p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2; }
+while [[ $# -gt 0 ]]; do
+	case "$1" in
+	--timeout) [[ $# -ge 2 ]] || usage; timeout_s=$2; shift 2 ;;
+	--mem) [[ $# -ge 2 ]] || usage; mem=$2; shift 2 ;;
+	--only) [[ $# -ge 2 ]] || usage; only=$2; shift 2 ;;
+	--keep) keep=1; shift ;;
+	-h | --help) usage ;;
+	*) echo "nested: unknown argument: $1" >&2; usage ;;
+	esac
+done
+[[ $timeout_s =~ ^[1-9][0-9]*$ && $mem =~ ^[1-9][0-9]*$ ]] || die "--timeout and --mem want positive integers"
+[[ $(id -u) -eq 0 ]] || die "needs root (L1 runs the privileged microVM suites)"
+command -v qemu-system-x86_64 >/dev/null || die "qemu-system-x86_64 missing (deploy/deps.sh --test)"
+busybox=/bin/busybox
+LC_ALL=C readelf -lW "$busybox" 2>/dev/null | grep -q 'Requesting program interpreter' &&
+	die "$busybox is dynamically linked (apt-get install busybox-static)"
+
+steps=$(grep -v '^#' "$here/steps")
+if [[ -n $only ]]; then
+	for s in ${only//,/ }; do grep -qx "$s" <<<"$steps" || die "--only: no step '$s' in tests/nested/steps"; done
+	steps=$(tr ',' '\n' <<<"$only")
+fi
+
+# What L1 runs: the inputs tests/run.sh exports, resolved to absolute paths.
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-/var/cache/cube/target}
+agent=${CUBE_AGENT_BIN:-$CARGO_TARGET_DIR/x86_64-unknown-linux-gnu/release/cube-agent}
+guest=${CUBE_GUEST_KERNEL:-/var/cache/cube/guest-kernel/out/vmlinux}
+venvs=${CUBE_VENV_ROOT:-/var/cache/cube/venv}
+[[ -x $agent ]] || die "static cube-agent $agent missing (see tests/run.sh)"
+[[ -f $guest ]] || die "guest kernel $guest missing (deploy/guest-kernel/build.sh)"
+[[ -x $venvs/e2e/bin/python ]] || die "virtualenv $venvs/e2e missing (deploy/deps.sh --test)"
+
+# The L1 kernel: Debian's current linux-image-amd64, unpacked once per version.
+pkg=$(apt-cache depends linux-image-amd64 2>/dev/null | awk '/Depends: linux-image-[0-9]/ {print $2; exit}')
+[[ -n $pkg ]] || die "linux-image-amd64 is not in the package index (apt-get update)"
+l1=/var/cache/cube/nested/$pkg
+if [[ ! -f $l1/ready ]]; then
+	echo "nested: fetching $pkg"
+	rm -rf "$l1" && mkdir -p "$l1/dl"
+	chmod 777 "$l1/dl" # apt downloads as _apt where it can
+	(cd "$l1/dl" && apt-get download -q "$pkg") || die "apt-get download $pkg failed"
+	dpkg-deb -x "$l1"/dl/*.deb "$l1/root" || die "unpacking $pkg failed"
+	rm -rf "$l1/dl"
+	kver=$(ls "$l1/root/lib/modules")
+	"$busybox" depmod -b "$l1/root" "$kver" || die "depmod for $kver failed"
+	echo "$kver" >"$l1/ready"
+fi
+kver=$(cat "$l1/ready")
+moddir=$l1/root/lib/modules/$kver
+
+# Test binaries, built by `cargo build --all-targets` (cargo only resolves their names here).
+tests=$(cd "$repo" && cargo test --quiet --no-run --message-format=json \
+	-p cube-shim --test linux_guest --test linux_xstate -p cubelet --test microvm 2>/dev/null |
+	python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and "test" in m["target"]["kind"]:
+        print(m["target"]["name"] + "=" + m["executable"])')
+tbin() { awk -F= -v n="$1" '$1 == n {print $2}' <<<"$tests"; }
+for t in linux_guest linux_xstate microvm; do [[ -x $(tbin $t) ]] || die "test binary $t not built"; done
+
+work=$(mktemp -d /var/tmp/cube-nested.XXXXXX)
+results=$work/results
+mkdir -p "$results"
+cleanup() { if ((keep)); then echo "nested: results kept in $work"; else rm -rf "$work"; fi; }
+trap cleanup EXIT
+{
+	printf 'export REPO=%q\n' "$repo"
+	printf 'export CARGO_TARGET_DIR=%q CUBE_AGENT_BIN=%q CUBE_GUEST_KERNEL=%q CUBE_VENV_ROOT=%q\n' \
+		"$CARGO_TARGET_DIR" "$agent" "$guest" "$venvs"
+	printf 'export L1_MODULES=%q\n' "$moddir"
+	printf 'export NESTED_STEPS=%q\n' "$(echo $steps)"
+	printf 'export TEST_LINUX_GUEST=%q TEST_LINUX_XSTATE=%q TEST_CUBELET_MICROVM=%q\n' \
+		"$(tbin linux_guest)" "$(tbin linux_xstate)" "$(tbin microvm)"
+} >"$results/env"
+
+# The L1 initramfs: busybox, the modules that reach the 9p root, and init.
+stage=$work/initramfs
+mkdir -p "$stage"/{bin,dev,proc,sys,newroot,lower,rw}
+cp "$busybox" "$stage/bin/busybox"
+ln -s busybox "$stage/bin/sh"
+need="virtio_pci 9pnet_virtio 9p overlay"
+order=()
+resolve() { # modules.dep lists a module's dependencies; they load first.
+	local m=$1 line path dep
+	line=$(grep -E "/${m//_/[-_]}\.ko:" "$moddir/modules.dep" | head -n1) || die "module $m not in $kver"
+	path=${line%%:*}
+	for dep in ${line#*:}; do resolve "$(basename "$dep" .ko)"; done
+	[[ " ${order[*]} " == *" $path "* ]] || order+=("$path")
+}
+for m in $need; do resolve "$m"; done
+mkdir -p "$stage/modules"
+for p in "${order[@]}"; do cp "$moddir/$p" "$stage/modules/"; echo "${p##*/}"; done >"$stage/modules/order"
+cp "$here/initramfs-init" "$stage/init"
+chmod 755 "$stage/init"
+mknod -m 600 "$stage/dev/console" c 5 1
+(cd "$stage" && find . -mindepth 1 | LC_ALL=C sort | cpio --quiet -o -H newc -R 0:0) | gzip -1 >"$work/initramfs.gz"
+
+# An EPYC with SVM and nested paging, minus what TCG cannot emulate (QEMU would drop those
+# with a warning each), so L1's CPUID says what it really has; and without XSAVE (so without
+# AVX): QEMU 7.2's TCG does not apply the SVM intercept of XSETBV, so L1's KVM never sees a
+# guest's XCR0 change, keeps CPUID 0xD's size for x87 alone ("XSAVE consistency problem" in the
+# guest, which then falls back to SSE) and reloads XCR0 = x87 on every entry. Real SVM and VMX
+# intercept it; xstate beyond SSE is proven on PVM here and by linux-e2e.sh on hardware.
+cpu=EPYC,+svm,+npt
+for f in rdseed sha-ni fxsr-opt misalignsse 3dnowprefetch osvw topoext nrip-save \
+	xsave xsaveopt xsavec xgetbv1 avx avx2 fma f16c; do cpu+=,-$f; done
+# cache=loose: nothing on the host changes while L1 runs. The results share is uncached, so a
+# step's report is on the host as soon as it is written.
+echo "nested: booting L1 ($pkg, TCG, EPYC+svm+npt, 2 vCPUs, ${mem} MiB), plan tests/nested/plan.sh"
+start=$(date +%s)
+set +e
+timeout --kill-after=10 "$timeout_s" qemu-system-x86_64 \
+	-accel tcg,thread=multi -cpu "$cpu" -smp 2 -m "$mem" \
+	-nodefaults -no-user-config -nographic -no-reboot -monitor none \
+	-serial "file:$work/console.log" \
+	-kernel "$l1/root/boot/vmlinuz-$kver" -initrd "$work/initramfs.gz" \
+	-append "console=ttyS0 panic=-1 quiet loglevel=4 rdinit=/init nested.repo=$repo" \
+	-virtfs "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap" \
+	-virtfs "local,path=$results,mount_tag=results,security_model=none,multidevs=remap" \
+	>"$work/qemu.log" 2>&1
+rc=$?
+set -e
+wall=$(($(date +%s) - start))
+
+echo "--- L1 console (last 30 lines)"
+tail -n 30 "$work/console.log" | sed 's/^/  /' || true
+[[ -s $work/qemu.log ]] && { echo "--- qemu"; cat "$work/qemu.log"; }
+echo "--- steps (L1's clock, seconds)"
+failures=0
+while read -r step; do
+	[[ -z $step ]] && continue
+	line=$(awk -v s="$step" '$2 == s' "$results/steps" 2>/dev/null | tail -n1)
+	case "$line" in
+	PASS*) echo "  $line" ;;
+	FAIL*)
+		echo "  $line"; failures=$((failures + 1))
+		echo "  --- $step log (last 60 lines)"; tail -n 60 "$results/$step.log" 2>/dev/null | sed 's/^/    /' ;;
+	*) echo "  MISSING $step (did not report)"; failures=$((failures + 1)) ;;
+	esac
+done <<<"$steps"
+((rc == 124 || rc == 137)) && { echo "nested: L1 did not finish within ${timeout_s}s"; failures=$((failures + 1)); }
+echo "nested: L1 wall time ${wall}s (qemu rc $rc)"
+((failures == 0)) || die "$failures step(s) failed or missing"
+echo "nested: all steps passed"
