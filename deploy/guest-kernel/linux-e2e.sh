@@ -68,7 +68,7 @@ pack)
 		--target x86_64-unknown-linux-gnu || die "static cube-agent build failed"
 	args=()
 	for b in "${PACKED_BINS[@]}"; do args+=(-p "$b"); done
-	cargo build --quiet --release "${args[@]}" || die "release build failed"
+	cargo build --quiet --release "${args[@]}" --features node-bench/microvm || die "release build failed"
 	stage=$(mktemp -d /var/tmp/linux-e2e-pack.XXXXXX)
 	trap 'rm -rf "$stage"' EXIT
 	mkdir -p "$stage/cube/bin"
