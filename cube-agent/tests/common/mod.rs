@@ -16,6 +16,52 @@ pub struct Agent {
     pub addr: String,
 }
 
+/// Whether the loopback TCP listener on `port` is a socket of `pid` or of one of its
+/// descendants (an agent under `unshare --fork` is a grandchild).
+fn listener_owned_by(pid: u32, port: u16) -> bool {
+    let tcp = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default();
+    let inodes: Vec<String> = tcp
+        .lines()
+        .skip(1)
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let local_port = f.get(1)?.rsplit(':').next()?;
+            (u16::from_str_radix(local_port, 16).ok()? == port && *f.get(3)? == "0A")
+                .then(|| f.get(9).map(|i| format!("socket:[{i}]")))?
+        })
+        .collect();
+    let mut parents = Vec::new();
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(p) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let stat = std::fs::read_to_string(e.path().join("stat")).unwrap_or_default();
+        // The parent pid is the second field after the parenthesised command name.
+        if let Some(pp) = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u32>().ok())
+        {
+            parents.push((p, pp));
+        }
+    }
+    let mut family = vec![pid];
+    let mut i = 0;
+    while i < family.len() {
+        let f = family[i];
+        family.extend(parents.iter().filter(|(_, pp)| *pp == f).map(|(p, _)| *p));
+        i += 1;
+    }
+    family.iter().any(|p| {
+        std::fs::read_dir(format!("/proc/{p}/fd"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|fd| std::fs::read_link(fd.path()).ok())
+            .any(|l| inodes.iter().any(|i| l.as_os_str() == i.as_str()))
+    })
+}
+
 impl Agent {
     pub fn spawn(extra: &[&str]) -> Agent {
         let mut args = vec![
@@ -60,7 +106,12 @@ impl Agent {
                     break; // port taken: retry with another
                 }
                 if TcpStream::connect(&addr).is_ok() {
-                    return Agent { child, addr };
+                    // Another test's agent may hold this port (tests run side by side and the
+                    // port was free a moment ago): only our own child's listener will do.
+                    if listener_owned_by(child.id(), port) {
+                        return Agent { child, addr };
+                    }
+                    break;
                 }
                 std::thread::sleep(Duration::from_millis(5));
             }
