@@ -342,7 +342,8 @@ impl Microvm {
             tap_pool::set_owner(&tap, uid)
                 .map_err(|e| NodeError::Internal(format!("hand the tap to the shim: {e}")))?;
         }
-        let responder = InitResponder::start(&vsock, body, shim.uid, self.init_patience())
+        // The create's own ready timeout (a request may set it) bounds the guest's init too.
+        let responder = InitResponder::start(&vsock, body, shim.uid, spec.ready_timeout)
             .map_err(mvm_err("init channel"))?;
         let tr = Instant::now();
         let socket = shim.socket.clone();
