@@ -6,10 +6,12 @@
 #   linux-e2e.sh --pack FILE          on a build host: release binaries, the static cube-agent,
 #                                     the guest kernel and a small template root in one tarball
 #                                     (FILE, .tar.xz) for a machine with hardware KVM and no network
-#   linux-e2e.sh --measure DIR [--out FILE] [--quick]
+#   linux-e2e.sh --measure DIR [--out FILE] [--quick | --smoke]
 #                                     on that machine, as root, DIR holding the unpacked tarball:
 #                                     measures the microvm runtime on VMX/SVM and writes the numbers
-#                                     as JSON (FILE, default DIR/linux-e2e.json)
+#                                     as JSON (FILE, default DIR/linux-e2e.json); --quick takes
+#                                     fewer samples, --smoke a handful (checks the script itself
+#                                     where timings mean nothing, e.g. nested under QEMU TCG)
 #
 # --measure runs node-bench (a cubelet on the microvm runtime with the Linux guest: warm-pool
 # create at the node, host memory per idle 512 MiB sandbox, pause to disk, resume), shim-bench
@@ -24,15 +26,16 @@ set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 die() { echo "linux-e2e.sh: FAIL: $*" >&2; exit 1; }
-usage() { sed -n '2,21p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,23p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2; }
 
-mode=test pack="" dir="" out="" quick=0
+mode=test pack="" dir="" out="" scale=full
 while [[ $# -gt 0 ]]; do
 	case "$1" in
 	--pack) [[ $# -ge 2 ]] || usage; mode=pack; pack=$2; shift 2 ;;
 	--measure) [[ $# -ge 2 ]] || usage; mode=measure; dir=$(cd "$2" && pwd); shift 2 ;;
 	--out) [[ $# -ge 2 ]] || usage; out=$2; shift 2 ;;
-	--quick) quick=1; shift ;;
+	--quick) scale=quick; shift ;;
+	--smoke) scale=smoke; shift ;;
 	-h | --help) usage ;;
 	*) echo "linux-e2e.sh: unknown argument: $1" >&2; usage ;;
 	esac
@@ -92,7 +95,12 @@ measure)
 	[[ -x $dir/bin/cubelet && -f $dir/vmlinux && -x $dir/cube-agent ]] || die "$dir is not an unpacked --pack tarball"
 	out=${out:-$dir/linux-e2e.json}
 	res=$(mktemp -d /var/tmp/linux-e2e-measure.XXXXXX)
-	if ((quick)); then n=10 idle=10 shims=4; else n=100 idle=200 shims=20; fi
+	bench=(--quick)
+	case $scale in
+	full) n=100 idle=200 shims=20 bench=() ;;
+	quick) n=10 idle=10 shims=4 ;;
+	smoke) n=3 idle=2 shims=1 bench=(--quick --concurrency 1 --samples 4 --no-density --dirty-mib 0 --reps 1) ;;
+	esac
 	install -d /usr/lib/cube
 	install -m 0755 "$dir/bin/cube-shim" /usr/lib/cube/cube-shim
 	install -m 0644 "$dir/vmlinux" /usr/lib/cube/vmlinux
@@ -105,7 +113,7 @@ measure)
 	echo "linux-e2e: shim-bench (2 GiB guests, 64 MiB dirtied before pause to disk)"
 	"$dir/bin/shim-bench" --shim "$dir/bin/cube-shim" --mem-mib 2048 --dirty-mib 64 \
 		--iterations "$n" --shims "$shims" --out "$res/shim-bench" || die "shim-bench failed"
-	echo "linux-e2e: cubectl up --runtime microvm, cube-bench --quick"
+	echo "linux-e2e: cubectl up --runtime microvm, cube-bench ${bench[*]}"
 	data=$res/cube-data
 	# The target has no network: no jq or python to lean on, so the E2B variables come from the
 	# `export ...` line cubectl prints and the JSON is put together by hand.
@@ -114,17 +122,18 @@ measure)
 	trap '"$dir/bin/cubectl" --data-dir "$data" down >/dev/null 2>&1 || true' EXIT
 	exports=$(grep -m1 '^export E2B_API_URL=' "$res/up.out") || die "cubectl up printed no E2B variables"
 	eval "$exports"
-	"$dir/bin/cube-bench" --quick --out "$res/cube-bench" || die "cube-bench failed"
+	"$dir/bin/cube-bench" "${bench[@]}" --out "$res/cube-bench" || die "cube-bench failed"
+	parts=("$res/node-bench/results-microvm.json" "$res/shim-bench/shim-bench.json" "$res/cube-bench/cube-bench.json")
+	for f in "${parts[@]}"; do [[ -s $f ]] || die "a bench wrote no $f"; done
 	str() { printf '"%s"' "$(printf '%s' "$1" | sed 's/[\\"]/\\&/g')"; }
 	{
 		printf '{"host": {"cpu": %s, "kernel": %s, "kvm": %s},\n' \
 			"$(str "$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ //')")" \
 			"$(str "$(uname -r)")" "$(str "$(grep -qw vmx /proc/cpuinfo && echo vmx || echo svm)")"
-		printf ' "commit": %s, "quick": %s,\n' "$(str "$(cat "$dir/commit" 2>/dev/null)")" \
-			"$( ((quick)) && echo true || echo false)"
-		printf ' "node_bench": %s,\n' "$(cat "$res/node-bench/results.json")"
-		printf ' "shim_bench": %s,\n' "$(cat "$res/shim-bench/shim-bench.json")"
-		printf ' "cube_bench": %s}\n' "$(cat "$res/cube-bench/cube-bench.json")"
+		printf ' "commit": %s, "scale": %s,\n' "$(str "$(cat "$dir/commit" 2>/dev/null)")" "$(str "$scale")"
+		printf ' "node_bench": %s,\n' "$(cat "${parts[0]}")"
+		printf ' "shim_bench": %s,\n' "$(cat "${parts[1]}")"
+		printf ' "cube_bench": %s}\n' "$(cat "${parts[2]}")"
 	} >"$out"
 	echo "linux-e2e: wrote $out (raw results in $res)"
 	;;

@@ -78,6 +78,18 @@ boot() {
 step l1-kvm l1_kvm
 step boot-reset boot reboot "guest requested a reset"
 step boot-halt boot poweroff "guest halted"
+# cube-hypervisor's suites, each binary to its end (a failing one does not hide the next).
+hypervisor_suites() {
+	local t rc=0
+	cd cube-hypervisor || return 1
+	for t in $TEST_HYPERVISOR; do
+		echo "== $(basename "$t")"
+		"$t" --test-threads=1 || rc=1
+	done
+	return $rc
+}
+
+step hypervisor-suites hypervisor_suites
 step shim-linux-guest bash -c 'cd cube-shim && "$TEST_LINUX_GUEST" --nocapture'
 step shim-linux-xstate bash -c 'cd cube-shim && "$TEST_LINUX_XSTATE" --nocapture'
 step cubelet-microvm bash -c 'cd cubelet && "$TEST_CUBELET_MICROVM" --test-threads=1'

@@ -80,14 +80,21 @@ moddir=$l1/root/lib/modules/$kver
 
 # Test binaries, built by `cargo build --all-targets` (cargo only resolves their names here).
 tests=$(cd "$repo" && cargo test --quiet --no-run --message-format=json \
-	-p cube-shim --test linux_guest --test linux_xstate -p cubelet --test microvm 2>/dev/null |
+	-p cube-shim --test linux_guest --test linux_xstate -p cubelet --test microvm \
+	-p cube-hypervisor --test vm --test snapshot --test devices_snapshot --test virtio_guest --test xstate \
+	2>/dev/null |
 	python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and "test" in m["target"]["kind"]:
         print(m["target"]["name"] + "=" + m["executable"])')
 tbin() { awk -F= -v n="$1" '$1 == n {print $2}' <<<"$tests"; }
-for t in linux_guest linux_xstate microvm; do [[ -x $(tbin $t) ]] || die "test binary $t not built"; done
+# cube-hypervisor's own suites (their tiny guests, no Linux): snapshots, pause to disk and resume in a
+# new process, devices, xstate, all on SVM.
+hv_tests=(vm snapshot devices_snapshot virtio_guest xstate)
+for t in linux_guest linux_xstate microvm "${hv_tests[@]}"; do
+	[[ -x $(tbin "$t") ]] || die "test binary $t not built"
+done
 
 work=$(mktemp -d /var/tmp/cube-nested.XXXXXX)
 results=$work/results
@@ -102,6 +109,7 @@ trap cleanup EXIT
 	printf 'export NESTED_STEPS=%q\n' "$(echo $steps)"
 	printf 'export TEST_LINUX_GUEST=%q TEST_LINUX_XSTATE=%q TEST_CUBELET_MICROVM=%q\n' \
 		"$(tbin linux_guest)" "$(tbin linux_xstate)" "$(tbin microvm)"
+	printf 'export TEST_HYPERVISOR=%q\n' "$(for t in "${hv_tests[@]}"; do printf '%s ' "$(tbin "$t")"; done)"
 } >"$results/env"
 
 # The L1 initramfs: busybox, the modules that reach the 9p root, and init.
