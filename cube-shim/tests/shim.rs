@@ -180,15 +180,12 @@ fn pause_to_disk_then_resume_in_a_new_shim_continues() {
         .unwrap(),
         Reply::Resumed
     );
-    let t0 = Instant::now();
     cb.call(Op::Pause).unwrap();
-    let ran = t0.elapsed();
     let resumed = paused_count(&mut cb);
     // It continued from the paused count (memory from the diff, registers from vmstate):
     // had either come from the template, the count would be far below (A ran 300 ms,
     // B only for the resume → pause round trip).
     assert!(resumed >= at_pause, "{resumed} < {at_pause}");
-    assert!(ran < Duration::from_millis(300));
     assert!(
         resumed - at_pause < at_pause - template_count,
         "B ran too long to tell"

@@ -102,6 +102,10 @@ def cube_gvisor(request):
     yield from _stack("gvisor")
 
 
+# What the master reports for an agent whose version it could not read (never the agent's own).
+ENVD_FALLBACK = "0.0.1-unread"
+
+
 def _stack(runtime, api_extra=""):
     """A stack on `runtime`; `api_extra` is appended to api.toml (tests/security's limits)."""
     if os.geteuid() != 0:
@@ -135,6 +139,9 @@ def _stack(runtime, api_extra=""):
     os.makedirs(root)
     c = Cube()
     c.root = root
+    # The version the agent reports (`cube-agent 0.6.4`); the master's fallback for an agent it
+    # could not read is set to something else below, so the tests prove the version was read.
+    c.envd_version = v.stdout.split()[-1]
     logs = []
     saved_env = {}
     try:
@@ -234,6 +241,7 @@ nodes = ["http://127.0.0.1:{g}", "http://127.0.0.1:{dead}"]
 node_poll_interval_ms = 500
 reaper_interval_ms = 250
 max_timeout_s = 86400
+default_envd_version = "{ENVD_FALLBACK}"
 metrics_addr = "127.0.0.1:{_free_port()}"
 """)
         pm = start([master, "--config", mcfg, "run"], "master.log")

@@ -127,12 +127,34 @@ macro_rules! require_kvm {
 mod tests {
     use super::*;
 
+    extern "C" {
+        fn ioctl(fd: i32, request: u64, ...) -> i32;
+    }
+
     #[test]
-    fn kvm_probe_agrees_with_the_filesystem() {
-        let exists = Path::new("/dev/kvm").exists();
-        let missing = Need::Kvm.missing();
-        if !exists {
-            assert!(missing.unwrap().contains("does not exist"));
+    fn kvm_probe_agrees_with_the_device() {
+        use std::os::fd::AsRawFd;
+        let p = Path::new("/dev/kvm");
+        match Need::Kvm.missing() {
+            // "Present" must mean a KVM this process can drive: the API version answers 12.
+            None => {
+                let f = OpenOptions::new().read(true).write(true).open(p).unwrap();
+                // SAFETY: KVM_GET_API_VERSION (_IO(0xAE, 0)) takes no argument.
+                let v = unsafe { ioctl(f.as_raw_fd(), 0xAE00) };
+                assert_eq!(
+                    v, 12,
+                    "/dev/kvm opened but KVM_GET_API_VERSION answered {v}"
+                );
+            }
+            Some(why) if !p.exists() => assert!(why.contains("does not exist"), "{why}"),
+            Some(why) => {
+                assert!(why.starts_with("cannot open /dev/kvm"), "{why}");
+                assert!(OpenOptions::new().read(true).write(true).open(p).is_err());
+            }
+        }
+        // Where CI requires KVM, the probe must find it (or every KVM suite would fail late).
+        if required(Need::Kvm) {
+            assert_eq!(Need::Kvm.missing(), None, "{}=1", Need::Kvm.env_var());
         }
     }
 
