@@ -70,6 +70,11 @@ if ! command -v cargo >/dev/null 2>&1; then
     export PATH="$HOME/.cargo/bin:$PATH"
 fi
 rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy rustfmt >/dev/null 2>&1 || true
+# The fuzz target (cube-hypervisor/fuzz/run.sh) builds with libFuzzer and ASan: nightly only.
+if [ $WANT_TEST = 1 ] && ! rustup run nightly rustc --version >/dev/null 2>&1; then
+    echo "deps: installing the nightly toolchain (for the fuzz target)"
+    rustup toolchain install nightly --profile minimal >/dev/null
+fi
 
 # bpffs: cube-vs pins its maps and links there.
 if ! mountpoint -q /sys/fs/bpf; then

@@ -424,21 +424,16 @@ fn slow_client_gets_all_output_and_background_children_do_not_hold_the_end() {
     assert_eq!(end_event(&msgs)["exitCode"], 0);
     assert_eq!(end, json!({}));
 
-    // A background grandchild keeps stdout open; the end event must still come promptly.
-    let t = std::time::Instant::now();
+    // A background grandchild keeps stdout open; the end event must still come when the shell
+    // exits (held for the grandchild's 100 s, the stream would pass the client's read timeout).
     let (msgs, _) = a
         .stream(
             "process.Process/Start",
-            &json!({"process": {"cmd": "/bin/sh", "args": ["-c", "sleep 20 & echo hi"]}}),
+            &json!({"process": {"cmd": "/bin/sh", "args": ["-c", "sleep 100 & echo hi"]}}),
             &[],
         )
         .collect();
     assert_eq!(output(&msgs, "stdout"), "hi\n");
     assert_eq!(end_event(&msgs)["exitCode"], 0);
-    assert!(
-        t.elapsed() < Duration::from_secs(10),
-        "end held by a grandchild: {:?}",
-        t.elapsed()
-    );
     a.assert_alive();
 }

@@ -65,6 +65,14 @@ fn valid_template(t: &str) -> bool {
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
 }
 
+/// Why one envd version probe got no version.
+enum Probe {
+    /// Nothing listens there (or the address is not one): no agent to wait for.
+    Refused,
+    /// No answer yet (timed out, unreachable, cut off): worth another try.
+    NoAnswer(String),
+}
+
 impl Controller {
     pub fn new(cfg: MasterConfig, db: Db, nodes: Nodes) -> Controller {
         let nodes = nodes.with_heartbeat_interval(cfg.heartbeat_interval_ms);
@@ -347,35 +355,71 @@ impl Controller {
 
     /// Reads `x-envd-version` from the agent's /health (what the agent really implements).
     async fn probe_envd_version(&self, addr: &str, iface: &str) -> Option<String> {
-        let sa: std::net::SocketAddr = addr.parse().ok()?;
+        // A sandbox restored from a running one's snapshot (a microVM fork) may take a moment
+        // before its guest network answers, though the node already reached it over vsock:
+        // retry an agent that does not answer for a while. One that refuses the connection is
+        // not there at all, and one that answers without the header is an older agent: the
+        // fallback, at once.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            match Self::probe_envd_once(addr, iface).await {
+                Ok(v) => return v,
+                Err(Probe::Refused) => return None,
+                Err(Probe::NoAnswer(_)) if tokio::time::Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(Probe::NoAnswer(why)) => {
+                    tracing::warn!(agent = %addr, %why, "envd version probe: no answer; using the default");
+                    return None;
+                }
+            }
+        }
+    }
+
+    /// `Ok(version header)` from one `GET /health`.
+    async fn probe_envd_once(addr: &str, iface: &str) -> Result<Option<String>, Probe> {
+        let sa: std::net::SocketAddr = addr.parse().map_err(|_| Probe::Refused)?;
+        let no_answer = |e: std::io::Error| {
+            if e.kind() == std::io::ErrorKind::ConnectionRefused {
+                Probe::Refused
+            } else {
+                Probe::NoAnswer(e.to_string())
+            }
+        };
         let fut = async {
             let sock = if sa.is_ipv4() {
                 tokio::net::TcpSocket::new_v4()
             } else {
                 tokio::net::TcpSocket::new_v6()
             }
-            .ok()?;
+            .map_err(no_answer)?;
             if !iface.is_empty() {
-                sock.bind_device(Some(iface.as_bytes())).ok()?;
+                sock.bind_device(Some(iface.as_bytes()))
+                    .map_err(no_answer)?;
             }
-            let mut s = sock.connect(sa).await.ok()?;
+            let mut s = sock.connect(sa).await.map_err(no_answer)?;
             s.write_all(b"GET /health HTTP/1.0\r\nHost: agent\r\n\r\n")
                 .await
-                .ok()?;
+                .map_err(no_answer)?;
             let mut buf = Vec::new();
-            s.take(16 * 1024).read_to_end(&mut buf).await.ok()?;
+            s.take(16 * 1024)
+                .read_to_end(&mut buf)
+                .await
+                .map_err(no_answer)?;
+            if !buf.starts_with(b"HTTP/") {
+                return Err(Probe::NoAnswer("not an HTTP response".into()));
+            }
             let text = String::from_utf8_lossy(&buf);
-            text.lines().take_while(|l| !l.is_empty()).find_map(|l| {
+            Ok(text.lines().take_while(|l| !l.is_empty()).find_map(|l| {
                 let (k, v) = l.split_once(':')?;
                 k.trim()
                     .eq_ignore_ascii_case("x-envd-version")
                     .then(|| v.trim().to_string())
-            })
+            }))
         };
         tokio::time::timeout(Duration::from_secs(2), fut)
             .await
-            .ok()
-            .flatten()
+            .map_err(|_| Probe::NoAnswer("timed out".into()))?
     }
 
     pub(crate) fn node_of(&self, row: &SandboxRow) -> Result<Node, MasterError> {

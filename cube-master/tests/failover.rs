@@ -236,9 +236,8 @@ async fn all_nodes_failing_leaves_a_failed_row_and_an_error() {
 
 #[tokio::test]
 async fn unreachable_node_is_not_ready() {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = format!("http://{}", l.local_addr().unwrap());
-    drop(l);
+    // Held for this process and never listened on.
+    let addr = format!("http://127.0.0.1:{}", cube_testkit::reserve_port());
     let (ctl, _d) = controller(&[addr]).await;
     ctl.nodes.poll_once().await;
     assert!(ctl.nodes.snapshot().iter().all(|n| !n.ready));

@@ -205,6 +205,27 @@ async fn registered(ctl: &Controller, node: &std::sync::Arc<FakeNode>, addr: &st
     r.node_secret
 }
 
+/// Polls `f` until it holds (a wait on the state itself, not a guess at how long it takes).
+async fn until<F: std::future::Future<Output = bool>>(what: &str, mut f: impl FnMut() -> F) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !f().await {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Checks the nodes until the only one is not ready (its heartbeats stopped).
+async fn until_not_ready(ctl: &Controller) {
+    until("the silent node to be not ready", || async {
+        ctl.check_nodes().await;
+        ctl.node_infos()[0].status == "not_ready"
+    })
+    .await;
+}
+
 async fn heartbeat_timeout(url: String) {
     let cfg = MasterConfig {
         heartbeat_interval_ms: 100,
@@ -220,9 +241,7 @@ async fn heartbeat_timeout(url: String) {
     ctl.pause("t", &b.id).await.unwrap();
     assert_eq!((a.node_id.as_str(), node.count()), ("hb", 2));
     // Silence for longer than 2 intervals: not ready, and its sandboxes are reported lost.
-    tokio::time::sleep(Duration::from_millis(350)).await;
-    ctl.check_nodes().await;
-    assert_eq!(ctl.node_infos()[0].status, "not_ready");
+    until_not_ready(&ctl).await;
     for id in [&a.id, &b.id] {
         let r = ctl.get("t", id).await.unwrap();
         assert_eq!(r.state, "lost", "{id}");
@@ -262,8 +281,7 @@ async fn heartbeat_timeout(url: String) {
     assert!(ctl.db.get_sandbox(&b.id).await.unwrap().unwrap().state == "killed");
     assert_eq!(ctl.metrics.lost.get(), 2);
     // A node that comes back without its sandbox: failed, with the reason.
-    tokio::time::sleep(Duration::from_millis(350)).await;
-    ctl.check_nodes().await;
+    until_not_ready(&ctl).await;
     node.sandboxes.lock().unwrap().clear();
     ctl.node_heartbeat(beat("hb", &secret)).await.unwrap();
     ctl.check_nodes().await;
@@ -283,7 +301,13 @@ async fn static_node_down_marks_lost(url: String) {
     let ctl = controller(&url, std::slice::from_ref(&addr), cfg).await;
     let a = ctl.create(params()).await.unwrap();
     let _ = stop.send(());
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The node is down once its port refuses connections (the next poll must fail).
+    let port = addr.trim_start_matches("http://").to_string();
+    until("the stopped node's port to refuse", || {
+        let port = port.clone();
+        async move { tokio::net::TcpStream::connect(port).await.is_err() }
+    })
+    .await;
     ctl.nodes.poll_once().await;
     ctl.check_nodes().await;
     assert_eq!(ctl.get("t", &a.id).await.unwrap().state, "running");

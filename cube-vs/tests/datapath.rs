@@ -24,7 +24,9 @@ fn datapath_or_skip(name: &str) -> bool {
         !required,
         "{name}: eBPF object not built (clang missing at build time)"
     );
-    eprintln!("SKIPPED {name}: eBPF object not built (clang missing at build time)");
+    cube_testkit::skip(&format!(
+        "{name}: eBPF object not built (clang missing at build time)"
+    ));
     false
 }
 

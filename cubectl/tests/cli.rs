@@ -29,12 +29,9 @@ fn assert_fails(o: &Output, code: i32, want: &str) {
     }
 }
 
+/// Held for this process and never listened on.
 fn closed_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    cube_testkit::reserve_port()
 }
 
 #[test]

@@ -66,17 +66,7 @@ fn curl(args: &[&str]) -> (u16, String) {
 
 /// Two consecutive free ports (API and edge).
 fn free_pair() -> u16 {
-    for _ in 0..100 {
-        let p = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        if p < 60000 && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
-            return p;
-        }
-    }
-    panic!("no free port pair");
+    cube_testkit::reserve_ports(2)
 }
 
 fn alive(pid: u64) -> bool {

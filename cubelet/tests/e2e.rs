@@ -123,7 +123,15 @@ async fn sandbox_lifecycle_commands_files_pause_resume_kill() {
         "(while true; do echo x >> /tmp/c; sleep 0.02; done) >/dev/null 2>&1 &",
     )
     .await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Paused once the loop is seen running.
+    let t = std::time::Instant::now();
+    while file_len(st.pid, "/tmp/c") == 0 {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "the loop never wrote"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let paused = cl
         .pause_sandbox(pb::SandboxRef {
             sandbox_id: "life1".into(),
@@ -152,11 +160,14 @@ async fn sandbox_lifecycle_commands_files_pause_resume_kill() {
     })
     .await
     .unwrap();
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    assert!(
-        file_len(st.pid, "/tmp/c") > a,
-        "resumed sandbox does not run"
-    );
+    let t = std::time::Instant::now();
+    while file_len(st.pid, "/tmp/c") <= a {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "resumed sandbox does not run"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let (code, _) = sh(&sb, "true").await;
     assert_eq!(code, 0);
 

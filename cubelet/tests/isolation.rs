@@ -188,12 +188,21 @@ async fn sandboxes_are_isolated_policies_enforced_and_state_survives_a_crash() {
     // although something listens there (the sandbox itself can connect to it).
     let (code, _) = sh(
         &sb1,
-        "(nc -lk 8080 </dev/null >/dev/null 2>&1 &); (nc -lk 8081 </dev/null >/dev/null 2>&1 &); sleep 0.3",
+        "(nc -lk 8080 </dev/null >/dev/null 2>&1 &); (nc -lk 8081 </dev/null >/dev/null 2>&1 &)",
     )
     .await;
     assert_eq!(code, 0);
-    assert!(sb_can_connect(&sb1, Ipv4Addr::LOCALHOST, 8081).await);
-    assert!(sb_can_connect(&sb1, Ipv4Addr::LOCALHOST, 8080).await);
+    // Both listen once the sandbox itself can connect to them.
+    let t = std::time::Instant::now();
+    for port in [8081, 8080] {
+        while !sb_can_connect(&sb1, Ipv4Addr::LOCALHOST, port).await {
+            assert!(
+                t.elapsed() < Duration::from_secs(30),
+                "nothing listens on {port}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
     assert!(host_can_connect(h1, 49983).await);
     assert!(
         host_can_connect(h1, 8080).await,

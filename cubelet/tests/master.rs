@@ -112,7 +112,7 @@ async fn cubelet_registers_heartbeats_and_is_reconciled() {
             assert!(reason.contains("no heartbeat"), "{reason}");
             break;
         }
-        assert!(t.elapsed() < Duration::from_secs(10), "not lost: {s}");
+        assert!(t.elapsed() < Duration::from_secs(30), "not lost: {s}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(ctl.node_infos()[0].status, "not_ready");
@@ -149,26 +149,23 @@ async fn cubelet_registers_heartbeats_and_is_reconciled() {
 async fn cubelet_runs_without_its_master() {
     cube_testkit::require_priv!("cubelet::master_absent");
     let mut c = Cubelet::new("mabs", Opts::default());
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    // Held for this process and never listened on: the master stays absent.
+    let port = cube_testkit::reserve_port();
     let mut cfg = std::fs::read_to_string(&c.config).unwrap();
     cfg.push_str(&format!(
         "\n[master]\naddress = \"http://127.0.0.1:{port}\"\n"
     ));
     std::fs::write(&c.config, cfg).unwrap();
     let mut cl = c.start().await;
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // The node keeps serving through a failed registration (it logs it and retries).
+    let t = std::time::Instant::now();
+    while !c.log().contains("master registration failed") {
+        assert!(t.elapsed() < Duration::from_secs(30), "{}", c.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     cl.node_status(cube_proto::nodev1::NodeStatusRequest {})
         .await
         .unwrap();
     assert!(c.child.as_mut().unwrap().try_wait().unwrap().is_none());
-    assert!(
-        c.log().contains("master registration failed"),
-        "{}",
-        c.log()
-    );
     c.stop();
 }

@@ -43,12 +43,9 @@ fn shim_binary() -> PathBuf {
     panic!("no cube-shim binary (tried {cands:?}): run `cargo build -p cube-shim` or set CUBE_SHIM_BIN");
 }
 
+/// A port held for this test process (cube-testkit), not one bound and closed.
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    cube_testkit::reserve_port()
 }
 
 struct Node {

@@ -14,10 +14,15 @@ import signal
 import socket
 import struct
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional
+
+# tests/ports.py: ports held for the agents, not bound and closed.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from ports import reserve_port  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The SDK's debug mode talks to localhost:49983. CUBE_AGENT_SDK_PORT moves the shared agent
@@ -47,9 +52,8 @@ def agent_bin() -> Path:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A held port for an agent (tests/ports.py), not one bound and closed."""
+    return reserve_port()
 
 
 def port_in_use(port: int) -> bool:

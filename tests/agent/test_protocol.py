@@ -28,15 +28,13 @@ def test_keepalive_events(raw):
 
 
 def test_server_deadline_in_end_stream(raw):
-    t0 = time.monotonic()
+    # Not enforced, the 30 s sleep would end normally: no deadline error in the end-stream.
     r = raw.request(
         "POST",
         "/process.Process/Start",
         envelope({"process": {"cmd": "/bin/sleep", "args": ["30"]}, "stdin": False}),
         {**STREAM, "Connect-Timeout-Ms": "700"},
     )
-    took = time.monotonic() - t0
-    assert took < 10, "Connect-Timeout-Ms not enforced by the agent"
     assert r.status == 200 and r.content_type == "application/connect+json"
     msgs, end = check_stream(parse_envelopes(r.body))
     assert next(iter(msgs[0]["event"])) == "start"

@@ -43,9 +43,10 @@ def test_watch_sync_create_write_remove_rename(sbx, wd):
         poll_events(h, lambda s: FilesystemEventType.CHMOD in kinds(s, "w2.txt"))
         os.unlink(wd / "w2.txt")
         poll_events(h, lambda s: FilesystemEventType.REMOVE in kinds(s, "w2.txt"))
-        # Events are drained: a second poll with nothing new is empty.
-        time.sleep(0.2)
-        h.get_new_events()
+        # Events are drained: once a later event (a sentinel directory's one CREATE) has come,
+        # every earlier one has, and a second poll with nothing new is empty.
+        os.mkdir(wd / "sentinel")
+        poll_events(h, lambda s: FilesystemEventType.CREATE in kinds(s, "sentinel"))
         assert h.get_new_events() == []
     finally:
         h.stop()
@@ -60,9 +61,8 @@ def test_watch_sync_non_recursive_ignores_subdirs(sbx, wd):
     try:
         (wd / "sub" / "inner.txt").write_text("x")
         (wd / "top.txt").write_text("x")
+        # Events come in order: had inner.txt been watched, its events would be in by now.
         ev = poll_events(h, lambda s: kinds(s, "top.txt"))
-        time.sleep(0.3)
-        ev += h.get_new_events()
         assert not [e for e in ev if "inner" in e.name], ev
     finally:
         h.stop()
@@ -88,7 +88,8 @@ def test_watch_sync_recursive_follows_new_dirs(sbx, wd):
     try:
         # A directory created after the watch started is watched too.
         (wd / "a" / "newdir").mkdir()
-        time.sleep(0.3)
+        # The agent watches a new directory before it reports its CREATE.
+        poll_events(h, lambda s: FilesystemEventType.CREATE in kinds(s, "a/newdir"))
         (wd / "a" / "newdir" / "f").write_text("x")
         poll_events(h, lambda s: kinds(s, "a/newdir/f"))
     finally:

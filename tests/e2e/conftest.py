@@ -18,17 +18,12 @@ import pytest
 
 # tests/microvm_logs.py, shared with the other suites that start microVM stacks.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ports import reserve_port  # noqa: E402  (tests/ports.py: held, not bind-and-close)
 
 TEMPLATE = "e2emini"
 # dmesg: a failed microVM test prints the guest's kernel log (tests/microvm_logs.py); chmod:
 # tests/isolation makes its probe executable.
 PROGRAMS = "sh,bash,cat,echo,ls,sleep,mkdir,rm,id,env,touch,sync,true,false,head,grep,dmesg,chmod"
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _bin(name):
@@ -102,8 +97,9 @@ def cube_gvisor(request):
     yield from _stack("gvisor")
 
 
-# What the master reports for an agent whose version it could not read (never the agent's own).
-ENVD_FALLBACK = "0.0.1-unread"
+# What the master reports for an agent whose version it could not read (never the agent's own;
+# a valid version, as the SDKs parse it).
+ENVD_FALLBACK = "0.0.1+unread"
 
 
 def _stack(runtime, api_extra=""):
@@ -148,7 +144,7 @@ def _stack(runtime, api_extra=""):
         stripped = os.path.join(root, "cube-agent")
         if subprocess.run(["strip", "-o", stripped, agent]).returncode != 0:
             shutil.copy(agent, stripped)
-        g, h = _free_port(), _free_port()
+        g, h = reserve_port(), reserve_port()
         cfg = os.path.join(root, "cubelet.toml")
         microvm = ""
         if runtime == "microvm":
@@ -229,9 +225,9 @@ nft_table = "{nft_table}"
             _wait(lambda: ready in urllib.request.urlopen(c.cubelet_http + "/metrics", timeout=2)
                   .read().decode(), f"{started} pre-started sandboxes", timeout=300, procs=[pl])
 
-        mp = _free_port()
+        mp = reserve_port()
         # A second, never-answering node: the master must keep it NotReady and schedule around it.
-        dead = _free_port()
+        dead = reserve_port()
         c.dead_node = f"http://127.0.0.1:{dead}"
         mcfg = os.path.join(root, "master.toml")
         with open(mcfg, "w") as f:
@@ -242,14 +238,14 @@ node_poll_interval_ms = 500
 reaper_interval_ms = 250
 max_timeout_s = 86400
 default_envd_version = "{ENVD_FALLBACK}"
-metrics_addr = "127.0.0.1:{_free_port()}"
+metrics_addr = "127.0.0.1:{reserve_port()}"
 """)
         pm = start([master, "--config", mcfg, "run"], "master.log")
         _wait(lambda: _port_open(mp), "cube-master gRPC", procs=[pm])
         c.master_url = f"http://127.0.0.1:{mp}"
         c.ports = {"cubelet grpc": g, "cubelet http": h, "master grpc": mp}
 
-        ap, ep, metp = _free_port(), _free_port(), _free_port()
+        ap, ep, metp = reserve_port(), reserve_port(), reserve_port()
         acfg = os.path.join(root, "api.toml")
         with open(acfg, "w") as f:
             f.write(f"""api_addr = "127.0.0.1:{ap}"

@@ -13,7 +13,8 @@ import time
 import httpx
 import pytest
 
-from conftest import PROGRAMS, TEMPLATE, _bin, _cleanup_node, _free_port, _wait
+from conftest import PROGRAMS, TEMPLATE, _bin, _cleanup_node, _wait
+from ports import reserve_port
 
 INSTALL = os.path.join(os.path.dirname(__file__), "..", "..", "deploy", "install.sh")
 
@@ -91,7 +92,7 @@ def fleet():
             with open(h.cfg, "w") as f:
                 f.write(f"""node_id = "{h.name}"
 grpc_addr = "{h.ns_ip}:{h.port}"
-http_addr = "127.0.0.1:{_free_port()}"
+http_addr = "127.0.0.1:{reserve_port()}"
 data_dir = "{d}/data"
 run_dir = "{d}/run"
 cache_dir = "{d}/cache"
@@ -122,7 +123,7 @@ switch = "none"
             procs.append(h.proc)
             _wait(lambda: _tcp_open(h.netns, h.ns_ip, h.port), f"cubelet {h.name}", procs=[h.proc])
 
-        mp, ap, ep, metp = _free_port(), _free_port(), _free_port(), _free_port()
+        mp, ap, ep, metp = reserve_port(), reserve_port(), reserve_port(), reserve_port()
         mcfg = os.path.join(root, "master.toml")
         with open(mcfg, "w") as f:
             f.write(f"""grpc_addr = "127.0.0.1:{mp}"
@@ -131,7 +132,7 @@ nodes = ["{hosts[0].url}", "{hosts[1].url}"]
 node_poll_interval_ms = 300
 node_max_misses = 2
 reaper_interval_ms = 250
-metrics_addr = "127.0.0.1:{_free_port()}"
+metrics_addr = "127.0.0.1:{reserve_port()}"
 """ + tls("master"))
         mlog = open(os.path.join(root, "master.log"), "w")
         logs.append(mlog)

@@ -13,8 +13,13 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
+
+# tests/ports.py: ports held for the stack, not bound and closed.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ports import reserve_port  # noqa: E402
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 BUILD_SH = os.path.join(REPO, "deploy", "templates", "code-interpreter-v1", "build.sh")
@@ -23,12 +28,6 @@ TEMPLATE = "code-interpreter-v1"
 
 class StackError(Exception):
     pass
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _bin(name):
@@ -109,7 +108,7 @@ def cube_stack(tag="ci", log=print, runtime="namespace"):
         stripped = os.path.join(root, "cube-agent")
         if subprocess.run(["strip", "-o", stripped, agent]).returncode != 0:
             shutil.copy(agent, stripped)
-        g, h = _free_port(), _free_port()
+        g, h = reserve_port(), reserve_port()
         cfg = os.path.join(root, "cubelet.toml")
         microvm = ""
         if runtime == "microvm":
@@ -173,7 +172,7 @@ nft_table = "{nft_table}"
             _wait(lambda: ready in urllib.request.urlopen(f"http://127.0.0.1:{h}/metrics", timeout=2)
                   .read().decode(), "template snapshot and a warm shim", timeout=400, procs=[pl])
             log(f"microVM snapshot and warm shim ready in {time.time() - t1:.1f} s")
-        mp = _free_port()
+        mp = reserve_port()
         mcfg = os.path.join(root, "master.toml")
         with open(mcfg, "w") as f:
             f.write(f"""grpc_addr = "127.0.0.1:{mp}"
@@ -182,18 +181,18 @@ nodes = ["http://127.0.0.1:{g}"]
 node_poll_interval_ms = 500
 reaper_interval_ms = 250
 max_timeout_s = 86400
-metrics_addr = "127.0.0.1:{_free_port()}"
+metrics_addr = "127.0.0.1:{reserve_port()}"
 """)
         pm = start([master, "--config", mcfg, "run"], "master.log")
         _wait(lambda: _port_open(mp), "cube-master gRPC", procs=[pm])
         c.master_url = f"http://127.0.0.1:{mp}"
-        ap, ep = _free_port(), _free_port()
+        ap, ep = reserve_port(), reserve_port()
         acfg = os.path.join(root, "api.toml")
         with open(acfg, "w") as f:
             f.write(f"""api_addr = "127.0.0.1:{ap}"
 edge_addr = "127.0.0.1:{ep}"
 master_url = "{c.master_url}"
-metrics_addr = "127.0.0.1:{_free_port()}"
+metrics_addr = "127.0.0.1:{reserve_port()}"
 """)
         pa = start([api, "--config", acfg], "api.log")
         _wait(lambda: urllib.request.urlopen(f"http://127.0.0.1:{ap}/health", timeout=1).status == 200,

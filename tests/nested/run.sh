@@ -166,13 +166,15 @@ tail -n 30 "$work/console.log" | sed 's/^/  /' || true
 [[ -s $work/qemu.log ]] && { echo "--- qemu"; cat "$work/qemu.log"; }
 echo "--- steps (L1's clock, seconds)"
 failures=0
+# Each step's outcome also goes to tests/run.sh's suite log (tests/suites.py checks it).
+slog() { if [[ -n ${CUBE_SUITE_LOG:-} ]]; then echo "$1" >>"$CUBE_SUITE_LOG"; fi; }
 while read -r step; do
 	[[ -z $step ]] && continue
 	line=$(awk -v s="$step" '$2 == s' "$results/steps" 2>/dev/null | tail -n1)
 	case "$line" in
-	PASS*) echo "  $line" ;;
+	PASS*) echo "  $line"; slog "RAN     nested nested/$step" ;;
 	FAIL*)
-		echo "  $line"; failures=$((failures + 1))
+		echo "  $line"; failures=$((failures + 1)); slog "FAILED  nested nested/$step: failed in L1"
 		echo "  --- $step log (last 60 lines)"; tail -n 60 "$results/$step.log" 2>/dev/null | sed 's/^/    /' ;;
 	*) echo "  MISSING $step (did not report)"; failures=$((failures + 1)) ;;
 	esac

@@ -5,7 +5,7 @@
 
 use serde_json::Value;
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -80,11 +80,8 @@ impl Agent {
     /// Spawns `argv` (with `{bin}` and `{addr}` substituted), e.g. under `unshare`.
     pub fn spawn_cmd(argv: &[&str]) -> Agent {
         for _ in 0..20 {
-            let port = TcpListener::bind("127.0.0.1:0")
-                .unwrap()
-                .local_addr()
-                .unwrap()
-                .port();
+            // Held for this process (cube-testkit); the retry is for anything else there.
+            let port = cube_testkit::reserve_port();
             let addr = format!("127.0.0.1:{port}");
             let argv: Vec<String> = argv
                 .iter()
@@ -399,6 +396,23 @@ pub fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
         std::thread::sleep(Duration::from_millis(20));
     }
     panic!("timed out waiting for {what}");
+}
+
+/// Whether a live process has exactly this command line (`/proc/<pid>/cmdline`, NUL-separated).
+pub fn processes_with_cmdline(cmdline: &str) -> bool {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return false;
+    };
+    dir.flatten().any(|e| {
+        e.file_name()
+            .to_string_lossy()
+            .parse::<u64>()
+            .is_ok_and(|pid| {
+                pid_alive(pid)
+                    && std::fs::read(format!("/proc/{pid}/cmdline"))
+                        .is_ok_and(|c| c == cmdline.as_bytes())
+            })
+    })
 }
 
 pub fn pid_alive(pid: u64) -> bool {

@@ -33,3 +33,20 @@ pub fn tmpdir(tag: &str) -> tempfile::TempDir {
         .or_else(|_| tempfile::Builder::new().prefix(tag).tempdir())
         .expect("temp dir")
 }
+
+/// Waits while the spin guest runs until each vCPU's counter (DATA + 64 × vCPU) is past
+/// `past[i]`: progress is asserted, not how far it gets in some milliseconds (this machine
+/// may be slow or nested).
+pub fn until_counted_past(vm: &Vm, past: &[u64]) {
+    let deadline = std::time::Instant::now() + TIMEOUT;
+    for (i, &c) in past.iter().enumerate() {
+        let addr = test_guests::DATA_ADDR + 64 * i as u64;
+        while vm.read_u64(addr).unwrap() <= c {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "vCPU {i} did not count past {c}"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}

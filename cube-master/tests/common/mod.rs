@@ -17,6 +17,8 @@ pub struct TestDb {
     pub url: String,
     _dir: Option<tempfile::TempDir>,
     pg: Option<(String, String)>,
+    /// Logs the PostgreSQL test as ran when it ends (the database lives as long as the test).
+    _gate: Option<cube_testkit::Gate>,
 }
 
 impl TestDb {
@@ -26,6 +28,7 @@ impl TestDb {
             url: format!("sqlite://{}/m.db", dir.path().display()),
             _dir: Some(dir),
             pg: None,
+            _gate: None,
         }
     }
 
@@ -66,12 +69,12 @@ impl TestDb {
             .await
             .expect("create schema");
         let _ = c.close().await;
-        suite_log(&format!("RAN     postgres {test}"));
         let sep = if base.contains('?') { '&' } else { '?' };
         Some(TestDb {
             url: format!("{base}{sep}options[search_path]={schema}"),
             _dir: None,
             pg: Some((base, schema)),
+            _gate: Some(cube_testkit::Gate::new("postgres", test)),
         })
     }
 }

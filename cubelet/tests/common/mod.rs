@@ -48,12 +48,9 @@ fn stripped_agent(root: &Path) -> PathBuf {
     dst
 }
 
+/// A port held for this test process (cube-testkit), not one bound and closed.
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    cube_testkit::reserve_port()
 }
 
 pub struct Cubelet {

@@ -5,9 +5,12 @@
 //! it with `CUBE_REQUIRE_PRIV=1` / `CUBE_REQUIRE_KVM=1`, in which case the test fails loudly: a
 //! machine that should run everything can never go green by skipping.
 //!
-//! Every decision is also appended to the file named by `CUBE_SUITE_LOG`, so `tests/run.sh` can
-//! print which privileged and KVM suites really ran.
+//! Every outcome is appended to the file named by `CUBE_SUITE_LOG`: `SKIPPED`/`FAILED` when the
+//! gate decides, and `RAN` only when the test's [`Gate`] is dropped at its end without a panic
+//! (a later [`skip`] turns that into `SKIPPED`). `tests/suites.py` checks the log against the
+//! checked-in list of tests that must run.
 
+use std::cell::RefCell;
 use std::fs::OpenOptions;
 use std::io::Write;
 use std::path::Path;
@@ -63,6 +66,12 @@ extern "C" {
     fn libc_geteuid() -> u32;
 }
 
+#[cfg(test)]
+thread_local! {
+    /// The self-tests' own log (their gates must not reach CI's suite log).
+    static LOG_OVERRIDE: RefCell<Option<std::path::PathBuf>> = const { RefCell::new(None) };
+}
+
 fn required(need: Need) -> bool {
     std::env::var(need.env_var())
         .map(|v| v == "1" || v.eq_ignore_ascii_case("true"))
@@ -72,7 +81,14 @@ fn required(need: Need) -> bool {
 /// Appends one line to the suite log `tests/run.sh` prints (for suites gated by something
 /// other than [`require`], such as a database).
 pub fn log_line(line: &str) {
-    if let Ok(path) = std::env::var("CUBE_SUITE_LOG") {
+    #[cfg(test)]
+    let path = LOG_OVERRIDE
+        .with(|o| o.borrow().clone())
+        .map(|p| p.display().to_string())
+        .ok_or(());
+    #[cfg(not(test))]
+    let path = std::env::var("CUBE_SUITE_LOG");
+    if let Ok(path) = path {
         if let Ok(mut f) = OpenOptions::new().create(true).append(true).open(path) {
             // One write per line: test binaries run side by side append to the same file, and
             // `writeln!` may split a line into several writes that interleave with theirs.
@@ -81,9 +97,56 @@ pub fn log_line(line: &str) {
     }
 }
 
-/// Returns true when the test may run. Returns false (after printing `SKIPPED`) when the host
-/// lacks what the test needs and CI did not require it; panics when CI required it.
-pub fn require(test: &str, needs: &[Need]) -> bool {
+/// A gated test that may run. Logs `RAN` when dropped at the end of the test, `FAILED` when
+/// dropped by a panic, and `SKIPPED` when the test called [`skip`] after the gate.
+#[must_use = "the test counts as ran only when its gate is dropped at the end"]
+#[derive(Debug)]
+pub struct Gate {
+    label: String,
+    test: String,
+}
+
+thread_local! {
+    /// Why the test on this thread gave up after its gate (see [`skip`]).
+    static SKIPPED: RefCell<Option<String>> = const { RefCell::new(None) };
+}
+
+impl Gate {
+    /// A gate for a test that needs something other than [`Need`] (a database, say): `label`
+    /// names the need in the log.
+    pub fn new(label: &str, test: &str) -> Gate {
+        SKIPPED.with(|s| s.borrow_mut().take());
+        Gate {
+            label: label.to_string(),
+            test: test.to_string(),
+        }
+    }
+}
+
+impl Drop for Gate {
+    fn drop(&mut self) {
+        let (label, test) = (&self.label, &self.test);
+        if std::thread::panicking() {
+            log_line(&format!("FAILED  {label} {test}: panicked"));
+        } else if let Some(why) = SKIPPED.with(|s| s.borrow().clone()) {
+            log_line(&format!("SKIPPED {label} {test}: {why}"));
+        } else {
+            log_line(&format!("RAN     {label} {test}"));
+        }
+    }
+}
+
+/// A gated test that cannot go on after its gate (an input was not built): its gates log
+/// `SKIPPED` with `why` instead of `RAN`. The caller still returns; under CI the suite check
+/// fails on the skip.
+pub fn skip(why: &str) {
+    eprintln!("SKIPPED: {why}");
+    SKIPPED.with(|s| *s.borrow_mut() = Some(why.to_string()));
+}
+
+/// Returns the test's [`Gate`] when it may run. Returns `None` (after logging `SKIPPED`) when
+/// the host lacks what the test needs and CI did not require it; panics when CI required it.
+pub fn require(test: &str, needs: &[Need]) -> Option<Gate> {
     for &need in needs {
         if let Some(why) = need.missing() {
             if required(need) {
@@ -95,21 +158,22 @@ pub fn require(test: &str, needs: &[Need]) -> bool {
             }
             log_line(&format!("SKIPPED {} {test}: {why}", need.label()));
             eprintln!("SKIPPED {test}: {why}");
-            return false;
+            return None;
         }
     }
     let labels: Vec<&str> = needs.iter().map(|n| n.label()).collect();
-    log_line(&format!("RAN     {} {test}", labels.join("+")));
-    true
+    Some(Gate::new(&labels.join("+"), test))
 }
 
-/// `require_priv!("name")` — return early from a test that needs root when it cannot run.
+/// `require_priv!("name")` — return early from a test that needs root when it cannot run; the
+/// gate it holds until the end of the calling block logs whether the test ran to its end.
 #[macro_export]
 macro_rules! require_priv {
     ($name:expr) => {
-        if !$crate::require($name, &[$crate::Need::Priv]) {
-            return;
-        }
+        let _cube_gate = match $crate::require($name, &[$crate::Need::Priv]) {
+            Some(g) => g,
+            None => return,
+        };
     };
 }
 
@@ -117,10 +181,75 @@ macro_rules! require_priv {
 #[macro_export]
 macro_rules! require_kvm {
     ($name:expr) => {
-        if !$crate::require($name, &[$crate::Need::Kvm]) {
-            return;
-        }
+        let _cube_gate = match $crate::require($name, &[$crate::Need::Kvm]) {
+            Some(g) => g,
+            None => return,
+        };
     };
+}
+
+/// Where [`reserve_port`] and tests/ports.py keep one lock file per port they hand out.
+const PORT_LOCKS: &str = "/tmp/cube-test-ports";
+
+/// Lock files of the ports this process holds (released when it exits).
+static HELD_PORTS: std::sync::Mutex<Vec<std::fs::File>> = std::sync::Mutex::new(Vec::new());
+
+/// A TCP port for a daemon a test starts. Binding port 0 and closing would hand out a port
+/// from the kernel's ephemeral range that any outgoing connection may take before the daemon
+/// binds it; this one lies below that range (the kernel never picks it), was free when picked,
+/// and is held against every other test process (Rust or Python, tests/ports.py) by a lock
+/// file for the rest of this process's life.
+pub fn reserve_port() -> u16 {
+    reserve_ports(1)
+}
+
+/// `n` consecutive ports, as [`reserve_port`] holds them: the first is returned (for a daemon
+/// that takes a base port and the ones after it).
+pub fn reserve_ports(n: u16) -> u16 {
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    // 8,000 ports below the ephemeral range, at least 1024 and above.
+    let (lo, hi) = (low.saturating_sub(8000).max(1024), low.saturating_sub(n));
+    assert!(
+        hi > lo + 100,
+        "ip_local_port_range starts at {low}: no room below it"
+    );
+    let _ = std::fs::create_dir_all(PORT_LOCKS);
+    let _ = std::fs::set_permissions(
+        PORT_LOCKS,
+        std::os::unix::fs::PermissionsExt::from_mode(0o1777),
+    );
+    let span = u32::from(hi - lo);
+    let start = std::process::id().wrapping_mul(2654435761) % span;
+    let mut held = HELD_PORTS.lock().unwrap_or_else(|e| e.into_inner());
+    'next: for k in 0..span {
+        let base = lo + ((start + k * 7) % span) as u16;
+        let mut locks = Vec::new();
+        for port in base..base + n {
+            match hold(port) {
+                Some(f) => locks.push(f),
+                None => continue 'next, // the ones already taken are released with `locks`
+            }
+        }
+        held.extend(locks);
+        return base;
+    }
+    panic!("no {n} free ports in {lo}..{hi}");
+}
+
+/// The port's lock file, locked, if no other test process holds it and nothing listens there.
+fn hold(port: u16) -> Option<std::fs::File> {
+    let f = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(format!("{PORT_LOCKS}/{port}"))
+        .ok()?;
+    f.try_lock().ok()?;
+    std::net::TcpListener::bind(("0.0.0.0", port)).ok()?;
+    Some(f)
 }
 
 #[cfg(test)]
@@ -158,10 +287,85 @@ mod tests {
         }
     }
 
+    /// The lines a gate writes, into a log of the test's own (not CI's suite log).
+    fn logged(f: impl FnOnce() + std::panic::UnwindSafe + Send + 'static) -> String {
+        let dir = std::env::temp_dir().join(format!("cube-testkit-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let log = dir.join(format!("{:?}.log", std::thread::current().id()));
+        let _ = std::fs::remove_file(&log);
+        // A thread of its own: CUBE_SUITE_LOG is read per line, and the outer test's own value
+        // must not see these lines.
+        let path = log.clone();
+        let _ = std::thread::spawn(move || {
+            LOG_OVERRIDE.with(|o| *o.borrow_mut() = Some(path));
+            let _ = std::panic::catch_unwind(f);
+        })
+        .join();
+        std::fs::read_to_string(&log).unwrap_or_default()
+    }
+
     #[test]
-    fn unrequired_missing_capability_skips() {
-        // A need that is missing for an unprivileged user; as root this runs the "present" path.
-        let ran = require("testkit_self_check", &[Need::Priv]);
-        assert_eq!(ran, Need::Priv.missing().is_none());
+    fn a_gate_logs_ran_only_at_the_end_of_a_test_that_did_not_give_up() {
+        let ran = logged(|| drop(Gate::new("priv", "t_ran")));
+        assert_eq!(ran, "RAN     priv t_ran\n");
+        let panicked = logged(|| {
+            let _g = Gate::new("kvm", "t_panic");
+            panic!("a failing assertion");
+        });
+        assert_eq!(panicked, "FAILED  kvm t_panic: panicked\n");
+        let skipped = logged(|| {
+            let _g = Gate::new("priv", "t_skip");
+            skip("input not built");
+        });
+        assert_eq!(skipped, "SKIPPED priv t_skip: input not built\n");
+        // The next gate on a thread does not inherit an earlier test's skip.
+        let both = logged(|| {
+            drop(Gate::new("priv", "t_a"));
+            skip("x");
+            drop(Gate::new("priv", "t_b"));
+        });
+        assert_eq!(both, "RAN     priv t_a\nRAN     priv t_b\n");
+    }
+
+    #[test]
+    fn reserved_ports_are_distinct_below_the_ephemeral_range_and_locked() {
+        let a = reserve_port();
+        let b = reserve_ports(2);
+        assert!(a != b && a != b + 1, "{a} overlaps {b}..={}", b + 1);
+        let low: u16 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+            .unwrap()
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(a < low && b < low, "{a} {b} not below {low}");
+        // Held: another open of its lock file cannot take it.
+        let f = OpenOptions::new()
+            .write(true)
+            .open(format!("{PORT_LOCKS}/{a}"))
+            .unwrap();
+        assert!(f.try_lock().is_err(), "port {a} is not held");
+        for p in [b, b + 1] {
+            let f = OpenOptions::new()
+                .write(true)
+                .open(format!("{PORT_LOCKS}/{p}"))
+                .unwrap();
+            assert!(f.try_lock().is_err(), "port {p} is not held");
+        }
+        // And it is bindable by the daemon it is for.
+        drop(std::net::TcpListener::bind(("127.0.0.1", a)).unwrap());
+    }
+
+    #[test]
+    fn an_unrequired_missing_capability_skips_and_a_present_one_gates() {
+        // Missing for an unprivileged user; as root this takes the "present" path.
+        let missing = Need::Priv.missing();
+        if missing.is_some() && required(Need::Priv) {
+            return; // require() panics here by design; the KVM test covers that path.
+        }
+        // (Its gate logs nothing: the self-tests write only to logs of their own.)
+        let gate = require("testkit_gate", &[Need::Priv]);
+        assert_eq!(gate.is_some(), missing.is_none());
     }
 }
