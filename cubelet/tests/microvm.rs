@@ -91,7 +91,8 @@ xfs_loop_size_gib = 2
 [sandbox]
 default_vcpus = 1
 default_memory_mib = 64
-ready_timeout_ms = 20000
+# Generous: nested under TCG (tests/nested), one of 200 creates took over 20 s to take its init.
+ready_timeout_ms = 60000
 [cgroup]
 parent = "{cgroup_parent}"
 [pools]
@@ -692,7 +693,7 @@ async fn two_hundred_sandboxes_from_one_snapshot_share_its_pages() {
             tokio::task::spawn_blocking(move || {
                 let mut sh = Client::connect(&sock).unwrap();
                 sh.set_timeout(Some(Duration::from_secs(30))).unwrap();
-                checkpoints_ending(&mut sh, STANDIN_INIT_DONE, Duration::from_secs(10));
+                checkpoints_ending(&mut sh, STANDIN_INIT_DONE, Duration::from_secs(30));
                 match sh.call(Op::Pause).unwrap() {
                     Reply::Paused => {}
                     r => panic!("pause {id}: {r:?}"),
