@@ -161,6 +161,33 @@ def bench_edge(Sandbox, template, sandbox_url, n, uncached_url=None):
     return out
 
 
+def bench_auto_resume(Sandbox, template, sandbox_url, api_url, key, n):
+    """A sandbox created with `on_timeout: pause` + `auto_resume`, paused at its timeout, then
+    one request through the edge: the time until that request is answered (it resumes the
+    sandbox and is served). `n` rounds on one sandbox."""
+    s = Sandbox.create(template, timeout=2, lifecycle={"on_timeout": "pause", "auto_resume": True})
+    ms = []
+    try:
+        with httpx.Client(timeout=120) as c:
+            for _ in range(n):
+                deadline = time.time() + 120
+                while True:
+                    r = c.get(f"{api_url}/sandboxes/{s.sandbox_id}", headers={"X-API-KEY": key})
+                    if r.json().get("state") == "paused":
+                        break
+                    if time.time() > deadline:
+                        raise RuntimeError("the sandbox was not paused at its timeout")
+                    time.sleep(0.05)
+                t = time.perf_counter()
+                r = c.get(sandbox_url + "/health", headers={"E2b-Sandbox-Id": s.sandbox_id})
+                ms.append((time.perf_counter() - t) * 1000)
+                assert r.status_code == 204, r.status_code
+                # Resumed by traffic it has its own 2 s timeout again: it pauses once more.
+    finally:
+        s.kill()
+    return summary(ms)
+
+
 def measure(a, Sandbox, cube, stack):
     """Every selected measurement against the stack the E2B_* variables point at."""
     only = set(filter(None, a.only.split(",")))
@@ -187,6 +214,9 @@ def measure(a, Sandbox, cube, stack):
     if want("edge"):
         unc = uncached_edge(cube) if (a.edge_compare and stack is not None) else None
         R["edge_health"] = bench_edge(Sandbox, a.template, os.environ["E2B_SANDBOX_URL"], a.edge_requests, unc)
+    if want("auto_resume") and a.auto_resumes > 0:
+        R["auto_resume"] = bench_auto_resume(Sandbox, a.template, os.environ["E2B_SANDBOX_URL"], api_url, key,
+                                             a.auto_resumes)
     return R
 
 
@@ -216,6 +246,10 @@ def rows_of(R):
         if "uncached" in c:
             rows += [("edge GET /health p50, cache off", c["uncached"]["p50_ms"], "ms", ""),
                      ("edge GET /health p95, cache off", c["uncached"]["p95_ms"], "ms", "")]
+    if "auto_resume" in R:
+        c = R["auto_resume"]
+        rows += [("first edge request to an auto-paused sandbox p50", c["p50_ms"], "ms", "<= 100"),
+                 ("first edge request to an auto-paused sandbox max", c["max_ms"], "ms", "")]
     return rows
 
 
@@ -228,7 +262,10 @@ def main():
     ap.add_argument("--list-sandboxes", type=int, default=1000, help="0 skips the list benchmark")
     ap.add_argument("--list-requests", type=int, default=200)
     ap.add_argument("--edge-requests", type=int, default=500)
-    ap.add_argument("--only", default="", help="comma list of: create,create_run,throughput,list,edge")
+    ap.add_argument("--auto-resumes", type=int, default=10,
+                    help="pause-at-timeout / resume-by-request rounds (0 skips them)")
+    ap.add_argument("--only", default="",
+                    help="comma list of: create,create_run,throughput,list,edge,auto_resume")
     ap.add_argument("--local-stack", action="store_true", help="start a private stack (tests/e2e fixture)")
     ap.add_argument("--runtime", default="",
                     help="with --local-stack: comma list of node runtimes (namespace,gvisor,microvm), each "

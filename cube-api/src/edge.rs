@@ -194,6 +194,8 @@ enum Miss {
 /// master (then cached), if the client address is within its look-up rate.
 async fn lookup(edge: &Edge, key: Key, client: IpAddr) -> Result<pb::SandboxInfo, Miss> {
     match edge.cache.get(&key) {
+        // Past its end the master may have paused or killed it since: ask again.
+        Some(Answer::Found(info)) if info.end_at_ms <= now_ms() => {}
         Some(Answer::Found(info)) => {
             edge.metrics
                 .edge_lookups
@@ -362,9 +364,19 @@ async fn handle_inner(
         Err((Miss::NotFound, id)) => return ("not_found", not_found(&id)),
         Err((Miss::Limited(wait), _)) => return ("rate_limited", limited(wait)),
     };
-    if info.state != "running" {
+    // An autoResume sandbox past its end is about to be paused: the request resumes it (which,
+    // under the master's lock, extends it instead), rather than racing the pause.
+    let due = info.auto_resume && info.end_at_ms <= now_ms();
+    let info = if info.state == "running" && !due {
+        info
+    } else if info.auto_resume {
+        match auto_resume(&edge, &info.sandbox_id).await {
+            Some(i) => i,
+            None => return ("not_found", not_found(&info.sandbox_id)),
+        }
+    } else {
         return ("not_found", not_found(&info.sandbox_id));
-    }
+    };
     if port == INTERPRETER_PORT
         && req.uri().path() != "/health"
         && !authorize_interpreter(req.headers_mut(), &info)
@@ -388,6 +400,58 @@ async fn handle_inner(
             // The cached address may be stale (killed by the reaper, not through this API).
             edge.cache.invalidate(&info.sandbox_id);
             ("port_closed", port_closed(&info.sandbox_id))
+        }
+    }
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+        .unwrap_or(0)
+}
+
+/// Longest a request waits for its paused sandbox to be resumed (a pause or resume already
+/// under way must end first; a microVM resume from disk can take seconds).
+const AUTO_RESUME_WAIT: Duration = Duration::from_secs(60);
+
+/// Resumes a paused sandbox that asked to be resumed by traffic (`autoResume`), so that the
+/// request that found it paused is served, not failed. Concurrent requests all ask: the master
+/// resumes once and answers the others that it is running. None = gone, or not resumable.
+async fn auto_resume(edge: &Edge, id: &str) -> Option<pb::SandboxInfo> {
+    let deadline = tokio::time::Instant::now() + AUTO_RESUME_WAIT;
+    loop {
+        let mut master = edge.master.clone();
+        let r = master
+            .connect_sandbox(pb::ConnectSandboxRequest {
+                team_id: String::new(),
+                sandbox_id: id.to_string(),
+                // The sandbox's own create timeout.
+                timeout_s: 0,
+            })
+            .await;
+        // Whatever happened, what the edge knew of this sandbox is stale.
+        edge.cache.invalidate(id);
+        match r {
+            Ok(r) => {
+                let r = r.into_inner();
+                if r.resumed {
+                    edge.metrics.edge_auto_resumes.inc();
+                    tracing::info!(sandbox = %id, "sandbox resumed by traffic");
+                }
+                return r.sandbox;
+            }
+            // Pausing or resuming right now: wait for that to end.
+            Err(s)
+                if s.code() == tonic::Code::FailedPrecondition
+                    && tokio::time::Instant::now() < deadline =>
+            {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(s) => {
+                tracing::warn!(sandbox = %id, error = %s.message(), "auto-resume failed");
+                return None;
+            }
         }
     }
 }

@@ -1,5 +1,6 @@
 //! E2B-compatible REST API (:3000) and sandbox edge proxy (:3001), both backed by cube-master.
 
+mod body;
 pub mod config;
 pub mod edge;
 pub mod error;

@@ -21,6 +21,8 @@ pub struct Metrics {
     pub edge_lookups: IntCounterVec,
     /// `cube_edge_cache_invalidations_total`.
     pub edge_invalidations: IntCounter,
+    /// `cube_edge_auto_resumes_total`: paused sandboxes resumed by a request (autoResume).
+    pub edge_auto_resumes: IntCounter,
 }
 
 impl Default for Metrics {
@@ -77,6 +79,11 @@ impl Metrics {
             "Edge cache entries dropped by kill/pause/connect through the API",
         )
         .expect("static metric");
+        let edge_auto_resumes = IntCounter::new(
+            "cube_edge_auto_resumes_total",
+            "Paused sandboxes resumed by a request through the edge (autoResume)",
+        )
+        .expect("static metric");
         for c in [
             Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(latency.clone()),
@@ -85,6 +92,7 @@ impl Metrics {
             Box::new(edge_bytes.clone()),
             Box::new(edge_lookups.clone()),
             Box::new(edge_invalidations.clone()),
+            Box::new(edge_auto_resumes.clone()),
         ] {
             registry.register(c).expect("unique metric names");
         }
@@ -97,6 +105,7 @@ impl Metrics {
             edge_bytes,
             edge_lookups,
             edge_invalidations,
+            edge_auto_resumes,
         }
     }
 

@@ -1,5 +1,6 @@
 //! The control-plane REST API (E2B `api.e2b.app` subset the SDKs use).
 
+use crate::body::{unsupported, Fields};
 use crate::error::ApiError;
 use crate::master::Master;
 use crate::metrics::Metrics;
@@ -14,7 +15,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
 use axum::{Extension, Json, Router};
 use cube_proto::master::v1 as pb;
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Instant;
@@ -60,6 +61,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v2/sandboxes", post(create_v2).get(list))
         .route("/sandboxes/:id", get(get_one).delete(kill))
         .route("/sandboxes/:id/timeout", post(set_timeout))
+        .route("/sandboxes/:id/refreshes", post(refresh))
         .route("/sandboxes/:id/pause", post(pause))
         .route("/sandboxes/:id/resume", post(resume))
         .route("/sandboxes/:id/connect", post(connect))
@@ -68,6 +70,7 @@ pub fn router(state: AppState) -> Router {
         .route("/snapshots", get(crate::snapshots::list))
         .route("/templates/:id", delete(crate::snapshots::delete_template))
         .route("/sandboxes/:id/fork", post(crate::snapshots::fork))
+        .route("/v2/sandboxes/:id/fork", post(crate::snapshots::fork))
         .route("/sandboxes/:id/metrics", get(crate::sandbox_metrics::one))
         .route("/sandboxes/metrics", get(crate::sandbox_metrics::many))
         .fallback(not_found)
@@ -220,26 +223,19 @@ async fn auth(State(st): State<AppState>, mut req: Request, next: Next) -> Respo
 }
 
 pub(crate) fn rfc3339(ms: i64) -> String {
-    // Civil-from-days (Howard Hinnant's algorithm), to avoid a date crate for one format.
-    let secs = ms.div_euclid(1000);
-    let milli = ms.rem_euclid(1000);
-    let days = secs.div_euclid(86400);
-    let sod = secs.rem_euclid(86400);
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{milli:03}Z",
-        sod / 3600,
-        (sod % 3600) / 60,
-        sod % 60
-    )
+    use time::format_description::well_known::Rfc3339;
+    time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000)
+        .ok()
+        .and_then(|t| t.format(&Rfc3339).ok())
+        .unwrap_or_default()
+}
+
+/// Unix milliseconds of an RFC 3339 time with any offset (what the SDKs send:
+/// `datetime.isoformat()`, `Date.toISOString()`).
+pub(crate) fn parse_rfc3339_ms(s: &str) -> Option<i64> {
+    use time::format_description::well_known::Rfc3339;
+    let t = time::OffsetDateTime::parse(s, &Rfc3339).ok()?;
+    i64::try_from(t.unix_timestamp_nanos() / 1_000_000).ok()
 }
 
 fn domain(cfg: &ApiConfig) -> Value {
@@ -296,7 +292,7 @@ fn detail_json(s: &pb::SandboxInfo, cfg: &ApiConfig) -> Value {
     if let Value::Object(o) = &mut v {
         o.insert("envdAccessToken".into(), json!(s.access_token));
         o.insert("domain".into(), domain(cfg));
-        o.insert("allowInternetAccess".into(), Value::Null);
+        o.insert("allowInternetAccess".into(), json!(s.allow_internet));
         // Not E2B's: which runtime runs it ("microvm", "namespace") and what boundary that is.
         o.insert("runtime".into(), json!(s.runtime));
         o.insert(
@@ -305,120 +301,137 @@ fn detail_json(s: &pb::SandboxInfo, cfg: &ApiConfig) -> Value {
         );
         o.insert(
             "lifecycle".into(),
-            json!({"autoResume": false, "onTimeout": "kill"}),
+            json!({
+                "autoResume": s.auto_resume,
+                "onTimeout": if s.auto_pause { "pause" } else { "kill" },
+            }),
         );
+        // Every runtime's pause keeps memory (namespace and gvisor freeze; microvm saves it).
+        if public_state(&s.state) == "paused" {
+            o.insert("pauseMode".into(), json!("full"));
+        }
     }
     v
 }
 
-/// Parses a JSON object body; an empty body is `{}` when `allow_empty`.
-pub(crate) fn parse_body(body: &Bytes, allow_empty: bool) -> Result<Map<String, Value>, ApiError> {
-    if body.iter().all(|b| b.is_ascii_whitespace()) {
-        if allow_empty {
-            return Ok(Map::new());
+/// Reads E2B's `NewSandbox` / `NewSandboxV2` body into a create request. Every field is
+/// either implemented or refused by name (nothing the SDK asks for is silently ignored).
+fn create_request(
+    mut b: Fields,
+    team: Team,
+    default_timeout: u64,
+) -> Result<pb::CreateSandboxRequest, ApiError> {
+    let template = match b.string("templateID")? {
+        // Template names and ids are short; a huge one would only fail deep in gRPC.
+        Some(s) if s.len() > 256 => return Err(ApiError::bad_request("templateID is too long")),
+        Some(s) if !s.is_empty() => s,
+        _ => return Err(ApiError::bad_request("templateID is required")),
+    };
+    let timeout_s = b.timeout(Some(default_timeout))?;
+    let metadata = b.string_map("metadata")?;
+    let env_vars = b.string_map("envVars")?;
+    let allow_internet = b.bool("allow_internet_access")?;
+    // Old SDKs send `secure: true`; every Cube sandbox needs its envd access token.
+    if b.bool("secure")? == Some(false) {
+        return Err(unsupported(
+            "secure: false",
+            "every sandbox's envd requires its access token",
+        ));
+    }
+    let auto_pause = b.bool("autoPause")?.unwrap_or(false);
+    if b.bool("autoPauseMemory")? == Some(false) && auto_pause {
+        return Err(unsupported(
+            "autoPauseMemory: false",
+            "a pause at the timeout keeps the sandbox's memory (filesystem-only pause is not implemented)",
+        ));
+    }
+    let auto_resume = match b.object("autoResume")? {
+        None => false,
+        Some(mut r) => {
+            let on = r.bool("enabled")?.unwrap_or(false);
+            r.finish()?;
+            on
         }
-        return Err(ApiError::bad_request("Request body is required"));
-    }
-    match serde_json::from_slice::<Value>(body) {
-        Ok(Value::Object(m)) => Ok(m),
-        Ok(_) => Err(ApiError::bad_request("Request body must be a JSON object")),
-        Err(e) => Err(ApiError::bad_request(format!("Invalid JSON body: {e}"))),
-    }
-}
-
-/// `timeout` in seconds: an integer > 0 (the master checks the maximum).
-pub(crate) fn timeout_field(m: &Map<String, Value>, default: Option<u64>) -> Result<u64, ApiError> {
-    match m.get("timeout") {
-        None | Some(Value::Null) => {
-            default.ok_or_else(|| ApiError::bad_request("timeout is required"))
+    };
+    if let Some(mut n) = b.object("network")? {
+        if n.bool("allowPublicTraffic")? == Some(false) {
+            return Err(unsupported(
+                "network.allowPublicTraffic: false",
+                "sandbox ports are reached only by the sandbox's token holders today",
+            ));
         }
-        Some(Value::Number(n)) => match n.as_i64() {
-            Some(t) if t <= 0 => Err(ApiError::bad_request("Timeout must be greater than 0")),
-            Some(t) => Ok(t as u64),
-            None => match n.as_u64() {
-                Some(t) => Ok(t),
-                None => Err(ApiError::bad_request("timeout must be an integer")),
-            },
-        },
-        Some(_) => Err(ApiError::bad_request("timeout must be an integer")),
+        for k in [
+            "allowOut",
+            "denyOut",
+            "dnsServers",
+            "egressProxy",
+            "maskRequestHost",
+            "httpsPorts",
+            "rules",
+        ] {
+            n.unsupported(
+                k,
+                "egress policies are not implemented; use allow_internet_access",
+            )?;
+        }
+        n.finish()?;
     }
-}
-
-fn string_map(m: &Map<String, Value>, key: &str) -> Result<HashMap<String, String>, ApiError> {
-    match m.get(key) {
-        None | Some(Value::Null) => Ok(HashMap::new()),
-        Some(Value::Object(o)) => o
-            .iter()
-            .map(|(k, v)| match v {
-                Value::String(s) => Ok((k.clone(), s.clone())),
-                _ => Err(ApiError::bad_request(format!("{key}.{k} must be a string"))),
-            })
-            .collect(),
-        Some(_) => Err(ApiError::bad_request(format!("{key} must be an object"))),
-    }
+    b.unsupported("mcp", "no MCP gateway runs in Cube sandboxes")?;
+    b.unsupported("iam", "no workload identity tokens are issued")?;
+    b.unsupported("volumeMounts", "volumes are not implemented")?;
+    b.finish()?;
+    Ok(pb::CreateSandboxRequest {
+        team_id: team.0,
+        template,
+        timeout_s,
+        metadata,
+        env_vars,
+        allow_internet,
+        auto_pause,
+        auto_resume,
+        idempotency_key: String::new(),
+    })
 }
 
 async fn create(
     st: AppState,
     team: Team,
+    headers: HeaderMap,
     body: Bytes,
     default_timeout: u64,
 ) -> Result<Response, ApiError> {
-    let m = parse_body(&body, false)?;
-    let template = match m.get("templateID") {
-        // Template names and ids are short; a huge one would only fail deep in gRPC.
-        Some(Value::String(s)) if s.len() > 256 => {
-            return Err(ApiError::bad_request("templateID is too long"))
-        }
-        Some(Value::String(s)) if !s.is_empty() => s.clone(),
-        Some(Value::String(_)) | None | Some(Value::Null) => {
-            return Err(ApiError::bad_request("templateID is required"))
-        }
-        Some(_) => return Err(ApiError::bad_request("templateID must be a string")),
-    };
-    let timeout_s = timeout_field(&m, Some(default_timeout))?;
-    let metadata = string_map(&m, "metadata")?;
-    let env_vars = string_map(&m, "envVars")?;
-    let allow_internet = match m.get("allow_internet_access") {
-        None | Some(Value::Null) => None,
-        Some(Value::Bool(b)) => Some(*b),
-        Some(_) => {
-            return Err(ApiError::bad_request(
-                "allow_internet_access must be a boolean",
-            ))
-        }
-    };
+    let mut req = create_request(Fields::parse(&body, false)?, team, default_timeout)?;
+    if let Some(k) = headers.get("idempotency-key") {
+        req.idempotency_key = k
+            .to_str()
+            .ok()
+            .filter(|k| (1..=255).contains(&k.len()))
+            .ok_or_else(|| ApiError::bad_request("Idempotency-Key must be 1-255 ASCII characters"))?
+            .to_string();
+    }
     let mut master = st.master.clone();
-    let r = master
-        .create_sandbox(pb::CreateSandboxRequest {
-            team_id: team.0,
-            template,
-            timeout_s,
-            metadata,
-            env_vars,
-            allow_internet,
-        })
-        .await?
-        .into_inner();
+    let r = master.create_sandbox(req).await?.into_inner();
     Ok((StatusCode::CREATED, Json(sandbox_json(&r, &st.cfg))).into_response())
 }
 
 async fn create_v1(
     State(st): State<AppState>,
     Extension(team): Extension<Team>,
+    headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let d = st.cfg.default_timeout_v1_s;
-    create(st, team, body, d).await
+    create(st, team, headers, body, d).await
 }
 
 async fn create_v2(
     State(st): State<AppState>,
     Extension(team): Extension<Team>,
+    headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let d = st.cfg.default_timeout_v2_s;
-    create(st, team, body, d).await
+    create(st, team, headers, body, d).await
 }
 
 fn sref(team: &Team, id: &str) -> pb::SandboxRef {
@@ -462,16 +475,68 @@ async fn set_timeout(
     body: Bytes,
 ) -> Result<Response, ApiError> {
     check_id(&id)?;
-    let b = parse_body(&body, false)?;
-    let t = timeout_field(&b, None)?;
+    let mut b = Fields::parse(&body, false)?;
+    let t = b.timeout(None)?;
+    b.finish()?;
+    let id_for_cache = id.clone();
     let mut m = st.master.clone();
     m.set_timeout(pb::SetTimeoutRequest {
         team_id: team.0,
         sandbox_id: id,
         timeout_s: t,
+        extend_only: false,
     })
     .await?;
+    // The edge treats a sandbox past its end as possibly paused: it must see the new end.
+    st.invalidate(&id_for_cache);
     Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+/// Longest refresh E2B allows, in seconds.
+const MAX_REFRESH_S: i64 = 3600;
+
+/// `POST /sandboxes/{id}/refreshes {"duration"?: 0..3600}`: keeps the sandbox alive for at
+/// least `duration` more seconds (never shortens it; absent = the v1 default timeout).
+async fn refresh(
+    State(st): State<AppState>,
+    Extension(team): Extension<Team>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    check_id(&id)?;
+    let mut b = Fields::parse(&body, true)?;
+    let d = match b.int("duration")? {
+        None => st.cfg.default_timeout_v1_s,
+        Some(d) if (0..=MAX_REFRESH_S).contains(&d) => d as u64,
+        Some(_) => {
+            return Err(ApiError::bad_request(format!(
+                "duration must be between 0 and {MAX_REFRESH_S} seconds"
+            )))
+        }
+    };
+    b.finish()?;
+    let id_for_cache = id.clone();
+    let mut m = st.master.clone();
+    m.set_timeout(pb::SetTimeoutRequest {
+        team_id: team.0,
+        sandbox_id: id,
+        timeout_s: d,
+        extend_only: true,
+    })
+    .await?;
+    st.invalidate(&id_for_cache);
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+/// `memory: false` asks for a filesystem-only pause or a reboot on resume.
+fn memory_kept(b: &mut Fields, what: &str) -> Result<(), ApiError> {
+    if b.bool("memory")? == Some(false) {
+        return Err(unsupported(
+            &format!("{what} with memory: false"),
+            "a paused sandbox always keeps its memory (filesystem-only pause and reboot are not implemented)",
+        ));
+    }
+    Ok(())
 }
 
 async fn pause(
@@ -480,9 +545,17 @@ async fn pause(
     Path(id): Path<String>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    // Old SDKs send no body, new ones `{}` or `{"memory": ...}`: only the shape is checked.
+    // Old SDKs send no body, new ones `{}` or `{"memory": ...}`.
     check_id(&id)?;
-    parse_body(&body, true)?;
+    let mut b = Fields::parse(&body, true)?;
+    memory_kept(&mut b, "pause")?;
+    if b.bool("requireHealthyGuest")? == Some(true) {
+        return Err(unsupported(
+            "requireHealthyGuest",
+            "a pause does not check the guest's agent first",
+        ));
+    }
+    b.finish()?;
     let mut m = st.master.clone();
     let r = m.pause_sandbox(sref(&team, &id)).await;
     st.invalidate(&id);
@@ -497,8 +570,17 @@ async fn connect_inner(
     body: &Bytes,
 ) -> Result<(pb::ConnectSandboxResponse, u64), ApiError> {
     check_id(&id)?;
-    let b = parse_body(body, true)?;
-    let t = timeout_field(&b, Some(st.cfg.default_timeout_v2_s))?;
+    let mut b = Fields::parse(body, true)?;
+    let t = b.timeout(Some(st.cfg.default_timeout_v2_s))?;
+    memory_kept(&mut b, "connect")?;
+    // The legacy resume's `autoPause` (SDK 2.0-2.5) only ever sends false.
+    if b.bool("autoPause")? == Some(true) {
+        return Err(unsupported(
+            "autoPause on resume",
+            "set autoPause when the sandbox is created",
+        ));
+    }
+    b.finish()?;
     let mut m = st.master.clone();
     // A resume may move the sandbox to a new address: drop what the edge knew.
     st.invalidate(&id);
@@ -559,6 +641,36 @@ async fn list(
     Extension(team): Extension<Team>,
     Query(q): Query<HashMap<String, String>>,
 ) -> Result<Response, ApiError> {
+    const KNOWN: [&str; 7] = [
+        "state",
+        "metadata",
+        "limit",
+        "order",
+        "nextToken",
+        "template",
+        "startedAfter",
+    ];
+    let mut unknown: Vec<&str> = q
+        .keys()
+        .map(String::as_str)
+        .filter(|k| !KNOWN.contains(k))
+        .collect();
+    if !unknown.is_empty() {
+        unknown.sort_unstable();
+        return Err(ApiError::bad_request(format!(
+            "unknown query parameter(s) {}: Cube does not implement them",
+            unknown.join(", ")
+        )));
+    }
+    let started_after_ms = match q.get("startedAfter") {
+        None => 0,
+        Some(t) => parse_rfc3339_ms(t).ok_or_else(|| {
+            ApiError::bad_request(format!(
+                "startedAfter must be an RFC 3339 time (got {:?})",
+                t.chars().take(64).collect::<String>()
+            ))
+        })?,
+    };
     let mut states = Vec::new();
     if let Some(s) = q.get("state") {
         for x in s.split(',').filter(|x| !x.is_empty()) {
@@ -597,6 +709,7 @@ async fn list(
             next_token: q.get("nextToken").cloned().unwrap_or_default(),
             ascending,
             template: q.get("template").cloned().unwrap_or_default(),
+            started_after_ms,
         })
         .await?
         .into_inner();
@@ -616,22 +729,79 @@ mod tests {
 
     #[test]
     fn time_format() {
-        assert_eq!(rfc3339(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
         assert_eq!(rfc3339(1_700_000_000_123), "2023-11-14T22:13:20.123Z");
-        assert_eq!(rfc3339(951_782_400_000), "2000-02-29T00:00:00.000Z");
+        assert_eq!(rfc3339(951_782_400_000), "2000-02-29T00:00:00Z");
+        for ms in [0, 1_700_000_000_123, 951_782_400_000] {
+            assert_eq!(parse_rfc3339_ms(&rfc3339(ms)), Some(ms));
+        }
+        // Python's isoformat() with an offset and microseconds.
+        assert_eq!(
+            parse_rfc3339_ms("2023-11-14T23:13:20.123456+01:00"),
+            Some(1_700_000_000_123)
+        );
+        assert_eq!(parse_rfc3339_ms("yesterday"), None);
+        assert_eq!(parse_rfc3339_ms("2023-11-14"), None);
+    }
+
+    fn req(body: &str) -> Result<pb::CreateSandboxRequest, ApiError> {
+        let b = Fields::parse(&Bytes::from(body.to_string()), false)?;
+        create_request(b, Team("t".into()), 300)
     }
 
     #[test]
-    fn timeouts() {
-        let m = |s: &str| parse_body(&Bytes::from(s.to_string()), true).unwrap();
-        assert_eq!(timeout_field(&m("{}"), Some(5)).unwrap(), 5);
-        assert_eq!(timeout_field(&m(r#"{"timeout":7}"#), None).unwrap(), 7);
-        assert!(timeout_field(&m(r#"{"timeout":0}"#), None).is_err());
-        assert!(timeout_field(&m(r#"{"timeout":-3}"#), None).is_err());
-        assert!(timeout_field(&m(r#"{"timeout":"x"}"#), None).is_err());
-        assert!(timeout_field(&m(r#"{"timeout":1.5}"#), None).is_err());
-        assert!(parse_body(&Bytes::from_static(b"[1]"), true).is_err());
-        assert!(parse_body(&Bytes::from_static(b"{"), true).is_err());
-        assert!(parse_body(&Bytes::new(), false).is_err());
+    fn every_sdks_create_body_is_read() {
+        // Bodies captured from the SDKs (py 2.20, 2.45, 2.63; js 2.13, 2.51).
+        for body in [
+            r#"{"templateID":"base","allow_internet_access":true,"autoPause":false,"envVars":{},"metadata":{},"secure":true,"timeout":120}"#,
+            r#"{"templateID":"base","timeout":120,"secure":true,"allow_internet_access":true,"metadata":{},"envVars":{}}"#,
+            r#"{"templateID":"base","metadata":{"k":"v"},"envVars":{"A":"1"},"timeout":120}"#,
+            r#"{"templateID":"code-interpreter-v1"}"#,
+        ] {
+            let r = req(body).unwrap_or_else(|e| panic!("{body}: {e}"));
+            assert!(!r.auto_pause && !r.auto_resume);
+        }
+        let r = req(r#"{"templateID":"base","autoPause":true,"autoPauseMemory":true,"autoResume":{"enabled":true},"allow_internet_access":false,"network":{"allowPublicTraffic":true,"allowOut":[]},"mcp":null}"#).unwrap();
+        assert!(r.auto_pause && r.auto_resume);
+        assert_eq!(r.allow_internet, Some(false));
+        assert_eq!(r.timeout_s, 300);
+    }
+
+    #[test]
+    fn what_cube_does_not_implement_is_refused_by_name() {
+        for (body, named) in [
+            (
+                r#"{"templateID":"base","network":{"denyOut":["10.0.0.1/32"]}}"#,
+                "network.denyOut",
+            ),
+            (
+                r#"{"templateID":"base","network":{"allowPublicTraffic":false}}"#,
+                "network.allowPublicTraffic",
+            ),
+            (
+                r#"{"templateID":"base","network":{"bogus":1}}"#,
+                "network.bogus",
+            ),
+            (r#"{"templateID":"base","mcp":{"github":{}}}"#, "mcp"),
+            (r#"{"templateID":"base","iam":{"tokens":{}}}"#, "iam"),
+            (
+                r#"{"templateID":"base","volumeMounts":[{"name":"v","path":"/v"}]}"#,
+                "volumeMounts",
+            ),
+            (
+                r#"{"templateID":"base","autoPause":true,"autoPauseMemory":false}"#,
+                "autoPauseMemory",
+            ),
+            (r#"{"templateID":"base","secure":false}"#, "secure"),
+            (
+                r#"{"templateID":"base","autoResume":{"enabled":true,"x":1}}"#,
+                "autoResume.x",
+            ),
+            (r#"{"templateID":"base","frobnicate":true}"#, "frobnicate"),
+        ] {
+            let e = req(body).expect_err(body);
+            assert_eq!(e.status, StatusCode::BAD_REQUEST, "{body}");
+            assert!(e.message.contains(named), "{body}: {}", e.message);
+        }
     }
 }

@@ -1,8 +1,9 @@
 //! Snapshots and fork (E2B §2.3): `POST /sandboxes/{id}/snapshots`, `GET /snapshots`,
 //! `DELETE /templates/{id}` (how the SDK deletes a snapshot) and `POST /sandboxes/{id}/fork`.
 
+use crate::body::Fields;
 use crate::error::ApiError;
-use crate::rest::{check_id, parse_body, sandbox_json, timeout_field, AppState, Team};
+use crate::rest::{check_id, sandbox_json, AppState, Team};
 use axum::body::Bytes;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
@@ -27,18 +28,12 @@ pub async fn create(
     body: Bytes,
 ) -> Result<Response, ApiError> {
     check_id(&id)?;
-    let b = parse_body(&body, true)?;
-    let name = match b.get("name") {
-        None | Some(Value::Null) => String::new(),
-        Some(Value::String(s)) => s.clone(),
-        Some(_) => return Err(ApiError::bad_request("name must be a string")),
-    };
+    let mut b = Fields::parse(&body, true)?;
+    let name = b.string("name")?.unwrap_or_default();
     // `memory` is accepted either way: what was captured is the node's runtime's to say
     // (filesystem only on the namespace runtime).
-    match b.get("memory") {
-        None | Some(Value::Null) | Some(Value::Bool(_)) => {}
-        Some(_) => return Err(ApiError::bad_request("memory must be a boolean")),
-    }
+    b.bool("memory")?;
+    b.finish()?;
     let mut m = st.master.clone();
     let s = m
         .snapshot_sandbox(pb::SnapshotSandboxRequest {
@@ -149,24 +144,16 @@ pub async fn fork(
     body: Bytes,
 ) -> Result<Response, ApiError> {
     check_id(&id)?;
-    let b = parse_body(&body, true)?;
-    let timeout_s = timeout_field(&b, Some(st.cfg.default_timeout_v2_s))?;
-    let count = match b.get("count") {
-        None | Some(Value::Null) => 1,
-        Some(Value::Number(n)) => match n.as_u64() {
-            Some(c) if (1..=MAX_FORK).contains(&c) => c as u32,
-            _ => {
-                return Err(ApiError::bad_request(format!(
-                    "count must be an integer between 1 and {MAX_FORK}"
-                )))
-            }
-        },
-        Some(_) => {
-            return Err(ApiError::bad_request(format!(
-                "count must be an integer between 1 and {MAX_FORK}"
-            )))
-        }
+    let mut b = Fields::parse(&body, true)?;
+    let timeout_s = b.timeout(Some(st.cfg.default_timeout_v2_s))?;
+    let bad_count =
+        || ApiError::bad_request(format!("count must be an integer between 1 and {MAX_FORK}"));
+    let count = match b.int("count").map_err(|_| bad_count())? {
+        None => 1,
+        Some(c) if (1..=MAX_FORK as i64).contains(&c) => c as u32,
+        Some(_) => return Err(bad_count()),
     };
+    b.finish()?;
     let mut m = st.master.clone();
     let r = m
         .fork_sandbox(pb::ForkSandboxRequest {

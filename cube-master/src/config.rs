@@ -23,6 +23,11 @@ pub struct MasterConfig {
     /// How long rows of killed sandboxes are kept (for `cubectl sandbox get` and audits)
     /// before the reaper deletes them; 0 keeps them forever.
     pub killed_retention_s: u64,
+    /// How long a paused sandbox is kept (from its pause) before the reaper kills it; a
+    /// connect resumes it and its timeout counts again. 0 keeps paused sandboxes until killed.
+    pub paused_retention_s: u64,
+    /// How long a create's `Idempotency-Key` is remembered.
+    pub idempotency_retention_s: u64,
     /// Shape of new sandboxes.
     pub default_vcpus: u32,
     pub default_memory_mib: u64,
@@ -59,6 +64,8 @@ impl Default for MasterConfig {
             reaper_interval_ms: 1000,
             max_timeout_s: 24 * 3600,
             killed_retention_s: 3600,
+            paused_retention_s: 30 * 24 * 3600,
+            idempotency_retention_s: 24 * 3600,
             default_vcpus: 2,
             default_memory_mib: 512,
             create_timeout_ms: 60_000,

@@ -25,6 +25,8 @@ pub struct PageQuery<'a> {
     pub template: &'a str,
     /// Rows strictly after this (started_at_ms, id) in the chosen order.
     pub cursor: Option<(i64, String)>,
+    /// Only rows started at or after this (unix ms); 0 = any.
+    pub started_after_ms: i64,
     pub ascending: bool,
     pub limit: usize,
 }
@@ -51,6 +53,14 @@ pub struct SandboxRow {
     pub started_at_ms: i64,
     pub end_at_ms: i64,
     pub updated_at_ms: i64,
+    /// 0/1: pause instead of kill at the timeout.
+    pub auto_pause: i64,
+    /// 0/1: traffic through the edge resumes it when paused.
+    pub auto_resume: i64,
+    /// The create's timeout, in seconds.
+    pub timeout_s: i64,
+    /// 0/1, or -1 for rows from before it was recorded.
+    pub internet: i64,
 }
 
 impl SandboxRow {
@@ -60,6 +70,14 @@ impl SandboxRow {
 
     pub fn metadata_map(&self) -> BTreeMap<String, String> {
         decode_map(&self.metadata)
+    }
+
+    pub fn internet(&self) -> Option<bool> {
+        match self.internet {
+            0 => Some(false),
+            1 => Some(true),
+            _ => None,
+        }
     }
 }
 
@@ -204,8 +222,10 @@ impl Db {
         sqlx::query(
             "INSERT INTO sandboxes (id, team_id, template, build, state, reason, node_id, \
              agent_address, host_interface, access_token, envd_version, metadata, vcpus, \
-             memory_mib, disk_mib, runtime, started_at_ms, end_at_ms, updated_at_ms) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19)",
+             memory_mib, disk_mib, runtime, started_at_ms, end_at_ms, updated_at_ms, auto_pause, \
+             auto_resume, timeout_s, internet) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, \
+             $20, $21, $22, $23)",
         )
         .bind(&r.id)
         .bind(&r.team_id)
@@ -226,6 +246,10 @@ impl Db {
         .bind(r.started_at_ms)
         .bind(r.end_at_ms)
         .bind(r.updated_at_ms)
+        .bind(r.auto_pause)
+        .bind(r.auto_resume)
+        .bind(r.timeout_s)
+        .bind(r.internet)
         .execute(&self.pool)
         .await?;
         Ok(())
@@ -291,6 +315,9 @@ impl Db {
         if !q.template.is_empty() {
             sql += &format!(" AND template = {}", next());
         }
+        if q.started_after_ms > 0 {
+            sql += &format!(" AND started_at_ms >= {}", next());
+        }
         let (cmp, order) = if q.ascending {
             (">", "ASC")
         } else {
@@ -316,6 +343,9 @@ impl Db {
         }
         if !q.template.is_empty() {
             query = query.bind(q.template);
+        }
+        if q.started_after_ms > 0 {
+            query = query.bind(q.started_after_ms);
         }
         if let Some((ms, id)) = &q.cursor {
             query = query.bind(*ms).bind(*ms).bind(id.as_str());
@@ -398,6 +428,61 @@ impl Db {
         .fetch_all(&self.pool)
         .await?;
         Ok(rows.into_iter().map(|r| r.0).collect())
+    }
+
+    /// Claims `(team, key)` for `sandbox_id`. `Ok(None)`: claimed now; `Ok(Some((sandbox,
+    /// fingerprint)))`: an earlier create holds it.
+    pub async fn claim_idempotency_key(
+        &self,
+        team: &str,
+        key: &str,
+        sandbox_id: &str,
+        fingerprint: &str,
+    ) -> Result<Option<(String, String)>, MasterError> {
+        let r = sqlx::query(
+            "INSERT INTO idempotency_keys (team_id, idem_key, sandbox_id, fingerprint, created_at_ms) \
+             VALUES ($1, $2, $3, $4, $5) ON CONFLICT DO NOTHING",
+        )
+        .bind(team)
+        .bind(key)
+        .bind(sandbox_id)
+        .bind(fingerprint)
+        .bind(crate::now_ms())
+        .execute(&self.pool)
+        .await?;
+        if r.rows_affected() == 1 {
+            return Ok(None);
+        }
+        let held: Option<(String, String)> = sqlx::query_as(
+            "SELECT sandbox_id, fingerprint FROM idempotency_keys WHERE team_id = $1 AND idem_key = $2",
+        )
+        .bind(team)
+        .bind(key)
+        .fetch_optional(&self.pool)
+        .await?;
+        held.map(Some).ok_or_else(|| {
+            // Purged between the two statements: the caller may simply retry.
+            MasterError::Unavailable("idempotency key changed meanwhile; retry".into())
+        })
+    }
+
+    /// Forgets a key whose create failed, so that a retry with it creates again.
+    pub async fn release_idempotency_key(&self, team: &str, key: &str) -> Result<(), MasterError> {
+        sqlx::query("DELETE FROM idempotency_keys WHERE team_id = $1 AND idem_key = $2")
+            .bind(team)
+            .bind(key)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// Deletes keys claimed before `before_ms`; returns how many.
+    pub async fn purge_idempotency_keys(&self, before_ms: i64) -> Result<u64, MasterError> {
+        let r = sqlx::query("DELETE FROM idempotency_keys WHERE created_at_ms < $1")
+            .bind(before_ms)
+            .execute(&self.pool)
+            .await?;
+        Ok(r.rows_affected())
     }
 
     pub async fn insert_api_key(&self, k: &ApiKeyRow) -> Result<(), MasterError> {

@@ -10,6 +10,8 @@
 //! - `cube_master_create_failovers_total` — creates retried on another node
 //! - `cube_master_nodes{status}` — `ready` | `not_ready` | `unknown`; `cube_master_nodes_cordoned`
 //! - `cube_master_sandboxes_lost_total` — sandboxes marked lost because their node went away
+//! - `cube_master_sandboxes_auto_paused_total` — sandboxes paused at their timeout (autoPause)
+//! - `cube_master_idempotent_replays_total` — creates answered with an earlier create's sandbox
 //! - `cube_master_grpc_requests_total{method}`, `cube_master_grpc_errors_total{method, code}`
 
 use crate::nodes::{Health, Nodes};
@@ -33,6 +35,8 @@ pub struct Metrics {
     pub nodes: IntGaugeVec,
     pub nodes_cordoned: IntGauge,
     pub lost: IntCounter,
+    pub auto_paused: IntCounter,
+    pub idempotent_replays: IntCounter,
     pub grpc_requests: IntCounterVec,
     pub grpc_errors: IntCounterVec,
 }
@@ -103,6 +107,14 @@ impl Metrics {
             "cube_master_sandboxes_lost_total",
             "Sandboxes marked lost because their node stopped answering",
         ));
+        let auto_paused = must(IntCounter::new(
+            "cube_master_sandboxes_auto_paused_total",
+            "Sandboxes paused, not killed, at their timeout (autoPause)",
+        ));
+        let idempotent_replays = must(IntCounter::new(
+            "cube_master_idempotent_replays_total",
+            "Creates answered with the sandbox of an earlier create with the same Idempotency-Key",
+        ));
         let grpc_requests = must(IntCounterVec::new(
             Opts::new("cube_master_grpc_requests_total", "gRPC requests by method"),
             &["method"],
@@ -124,6 +136,8 @@ impl Metrics {
             Box::new(nodes.clone()),
             Box::new(nodes_cordoned.clone()),
             Box::new(lost.clone()),
+            Box::new(auto_paused.clone()),
+            Box::new(idempotent_replays.clone()),
             Box::new(grpc_requests.clone()),
             Box::new(grpc_errors.clone()),
         ] {
@@ -140,6 +154,8 @@ impl Metrics {
             nodes,
             nodes_cordoned,
             lost,
+            auto_paused,
+            idempotent_replays,
             grpc_requests,
             grpc_errors,
         }

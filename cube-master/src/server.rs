@@ -42,6 +42,10 @@ pub fn to_info(ctl: &Controller, r: &SandboxRow) -> pb::SandboxInfo {
         memory_mib: r.memory_mib.max(0) as u64,
         disk_mib: r.disk_mib.max(0) as u64,
         runtime: r.runtime.clone(),
+        auto_pause: r.auto_pause == 1,
+        auto_resume: r.auto_resume == 1,
+        allow_internet: r.internet(),
+        timeout_s: r.timeout_s.max(0) as u64,
     }
 }
 
@@ -73,6 +77,9 @@ impl Master for MasterService {
                 metadata: r.metadata.into_iter().collect(),
                 env_vars: r.env_vars.into_iter().collect(),
                 allow_internet: r.allow_internet,
+                auto_pause: r.auto_pause,
+                auto_resume: r.auto_resume,
+                idempotency_key: r.idempotency_key,
             })
             .await;
         let m = &self.ctl.metrics;
@@ -121,6 +128,7 @@ impl Master for MasterService {
                 next_token: r.next_token,
                 ascending: r.ascending,
                 template: r.template,
+                started_after_ms: r.started_after_ms,
             })
             .await?;
         Ok(Response::new(pb::ListSandboxesResponse {
@@ -148,7 +156,7 @@ impl Master for MasterService {
         let r = req.into_inner();
         let row = self
             .ctl
-            .set_timeout(&r.team_id, &r.sandbox_id, r.timeout_s)
+            .set_timeout(&r.team_id, &r.sandbox_id, r.timeout_s, r.extend_only)
             .await?;
         Ok(Response::new(to_info(&self.ctl, &row)))
     }

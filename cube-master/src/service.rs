@@ -24,6 +24,44 @@ pub struct CreateParams {
     pub metadata: BTreeMap<String, String>,
     pub env_vars: BTreeMap<String, String>,
     pub allow_internet: Option<bool>,
+    /// Pause (memory kept) instead of kill at the timeout.
+    pub auto_pause: bool,
+    /// Traffic through the edge resumes it when paused; needs `auto_pause`.
+    pub auto_resume: bool,
+    /// Empty = none. A create repeated with the same key (per team) answers with the first
+    /// one's sandbox.
+    pub idempotency_key: String,
+}
+
+impl CreateParams {
+    /// A hash of what the create asks for, so that one idempotency key cannot stand for two
+    /// different requests.
+    fn fingerprint(&self) -> String {
+        use sha2::{Digest, Sha256};
+        let mut h = Sha256::new();
+        let mut field = |b: &[u8]| {
+            h.update((b.len() as u64).to_le_bytes());
+            h.update(b);
+        };
+        field(self.template.as_bytes());
+        field(&self.timeout_s.to_le_bytes());
+        for m in [&self.metadata, &self.env_vars] {
+            field(&(m.len() as u64).to_le_bytes());
+            for (k, v) in m {
+                field(k.as_bytes());
+                field(v.as_bytes());
+            }
+        }
+        field(&[
+            match self.allow_internet {
+                None => 2,
+                Some(b) => u8::from(b),
+            },
+            u8::from(self.auto_pause),
+            u8::from(self.auto_resume),
+        ]);
+        hex::encode(h.finalize())
+    }
 }
 
 /// List filter.
@@ -36,6 +74,8 @@ pub struct ListParams {
     pub next_token: String,
     pub ascending: bool,
     pub template: String,
+    /// Only sandboxes started at or after this (unix ms); 0 = any.
+    pub started_after_ms: i64,
 }
 
 pub struct Controller {
@@ -160,7 +200,7 @@ impl Controller {
             .ok_or_else(|| MasterError::NotFound("no sandbox has this access token".into()))
     }
 
-    pub async fn create(&self, mut p: CreateParams) -> Result<SandboxRow, MasterError> {
+    pub async fn create(&self, p: CreateParams) -> Result<SandboxRow, MasterError> {
         if !valid_template(&p.template) {
             return Err(MasterError::InvalidArgument(format!(
                 "invalid template id {:?}",
@@ -168,6 +208,107 @@ impl Controller {
             )));
         }
         self.check_timeout(p.timeout_s)?;
+        if p.auto_resume && !p.auto_pause {
+            return Err(MasterError::InvalidArgument(
+                "autoResume needs autoPause: only a sandbox paused at its timeout can be resumed by traffic".into(),
+            ));
+        }
+        let id = random_id();
+        if !p.idempotency_key.is_empty() {
+            if let Some(row) = self.idempotent_replay(&p, &id).await? {
+                return Ok(row);
+            }
+        }
+        let r = self.create_as(&id, p.clone()).await;
+        if r.is_err() && !p.idempotency_key.is_empty() {
+            // A failed create leaves nothing to return: the key may be used again.
+            if let Err(e) = self
+                .db
+                .release_idempotency_key(&p.team_id, &p.idempotency_key)
+                .await
+            {
+                tracing::warn!(sandbox = %id, error = %e, "could not release an idempotency key");
+            }
+        }
+        r
+    }
+
+    /// Claims the create's idempotency key for `id`; if an earlier create holds it, waits
+    /// for that create to end and answers with its sandbox.
+    async fn idempotent_replay(
+        &self,
+        p: &CreateParams,
+        id: &str,
+    ) -> Result<Option<SandboxRow>, MasterError> {
+        let key = &p.idempotency_key;
+        if key.len() > 255 || !key.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(MasterError::InvalidArgument(
+                "Idempotency-Key must be 1-255 printable ASCII characters".into(),
+            ));
+        }
+        let fp = p.fingerprint();
+        let Some((held, held_fp)) = self
+            .db
+            .claim_idempotency_key(&p.team_id, key, id, &fp)
+            .await?
+        else {
+            return Ok(None);
+        };
+        if held_fp != fp {
+            return Err(MasterError::FailedPrecondition(format!(
+                "Idempotency-Key {key:?} was used for a different create request"
+            )));
+        }
+        self.metrics.idempotent_replays.inc();
+        // The first create may still be running: it answers within its create timeout.
+        let deadline = tokio::time::Instant::now()
+            + Duration::from_millis(self.cfg.create_timeout_ms.saturating_mul(2));
+        let mut held = held;
+        loop {
+            let row = self.db.get_sandbox(&held).await?;
+            if row.is_none() {
+                // Claimed but not inserted yet, or its create failed early and let the key
+                // go: claim it again (then this create goes ahead under it).
+                match self
+                    .db
+                    .claim_idempotency_key(&p.team_id, key, id, &fp)
+                    .await?
+                {
+                    None => return Ok(None),
+                    Some((h, f)) if f == fp => held = h,
+                    Some(_) => {
+                        return Err(MasterError::FailedPrecondition(format!(
+                            "Idempotency-Key {key:?} was used for a different create request"
+                        )))
+                    }
+                }
+            }
+            match row.as_ref().map(|r| r.state()).transpose()? {
+                // Not inserted yet, or still being created.
+                None | Some(SandboxState::Creating) if tokio::time::Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                None | Some(SandboxState::Creating) => {
+                    return Err(MasterError::Unavailable(format!(
+                        "the create with Idempotency-Key {key:?} has not finished; retry"
+                    )))
+                }
+                Some(SandboxState::Failed) => {
+                    return Err(MasterError::Unavailable(format!(
+                        "the create with Idempotency-Key {key:?} failed; retry"
+                    )))
+                }
+                Some(s) if s.is_terminal() || s == SandboxState::Killing => {
+                    return Err(MasterError::FailedPrecondition(format!(
+                        "the sandbox created with Idempotency-Key {key:?} is {s}"
+                    )))
+                }
+                Some(_) => return Ok(row),
+            }
+        }
+    }
+
+    async fn create_as(&self, id: &str, mut p: CreateParams) -> Result<SandboxRow, MasterError> {
         // A snapshot (by id or name) lives on one node: placement is pinned there.
         let pinned = crate::snapshots::pin_for_create(self, &mut p).await?;
         let pinned_snapshot = pinned.is_some();
@@ -210,7 +351,7 @@ impl Controller {
         };
         let now = crate::now_ms();
         let mut row = SandboxRow {
-            id: random_id(),
+            id: id.to_string(),
             team_id: p.team_id.clone(),
             template: p.template.clone(),
             build: String::new(),
@@ -229,6 +370,10 @@ impl Controller {
             started_at_ms: now,
             end_at_ms: now + (p.timeout_s as i64) * 1000,
             updated_at_ms: now,
+            auto_pause: i64::from(p.auto_pause),
+            auto_resume: i64::from(p.auto_resume),
+            timeout_s: p.timeout_s as i64,
+            internet: i64::from(p.allow_internet.unwrap_or(true)),
         };
         row.access_token = crate::token::stored(&self.tokens.token(&row.id));
         let lock = self.lock_for(&row.id);
@@ -486,25 +631,55 @@ impl Controller {
         Ok(true)
     }
 
+    /// New end = now + `t`; with `extend_only` (E2B's refresh) a later end is kept and
+    /// `t` may be 0.
     pub async fn set_timeout(
         &self,
         team: &str,
         id: &str,
         t: u64,
+        extend_only: bool,
     ) -> Result<SandboxRow, MasterError> {
-        self.check_timeout(t)?;
+        if !(extend_only && t == 0) {
+            self.check_timeout(t)?;
+        }
         let lock = self.lock_for(id);
         let _g = lock.lock().await;
         let mut row = self.visible(team, id).await?;
-        row.end_at_ms = crate::now_ms() + (t as i64) * 1000;
+        let end = crate::now_ms() + (t as i64) * 1000;
+        if extend_only && end <= row.end_at_ms {
+            return Ok(row);
+        }
+        row.end_at_ms = end;
         self.db.set_end(id, row.end_at_ms).await?;
         Ok(row)
+    }
+
+    /// When a sandbox paused now is killed (`paused_retention_s` from now).
+    fn paused_until(&self) -> i64 {
+        match self.cfg.paused_retention_s {
+            // "Until killed": far enough that no reaper pass sees it, small enough for any SQL.
+            0 => i64::MAX / 4,
+            s => crate::now_ms()
+                .saturating_add(i64::try_from(s.saturating_mul(1000)).unwrap_or(i64::MAX / 4)),
+        }
     }
 
     pub async fn pause(&self, team: &str, id: &str) -> Result<SandboxRow, MasterError> {
         let lock = self.lock_for(id);
         let _g = lock.lock().await;
         let row = self.visible(team, id).await?;
+        self.pause_locked(team, row, "paused").await
+    }
+
+    /// The pause of `row`, whose lock the caller holds; `reason` is recorded with the state.
+    async fn pause_locked(
+        &self,
+        team: &str,
+        row: SandboxRow,
+        reason: &str,
+    ) -> Result<SandboxRow, MasterError> {
+        let id = row.id.as_str();
         match row.state()? {
             SandboxState::Running => {}
             SandboxState::Paused | SandboxState::Pausing => {
@@ -535,8 +710,10 @@ impl Controller {
             .await;
         match r {
             Ok(_) => {
+                // A paused sandbox's timeout no longer runs: it is kept for the retention.
+                self.db.set_end(id, self.paused_until()).await?;
                 self.db
-                    .transition(id, SandboxState::Pausing, SandboxState::Paused, "paused")
+                    .transition(id, SandboxState::Pausing, SandboxState::Paused, reason)
                     .await?;
                 self.visible(team, id).await
             }
@@ -564,10 +741,16 @@ impl Controller {
         id: &str,
         t: u64,
     ) -> Result<(SandboxRow, bool), MasterError> {
-        self.check_timeout(t)?;
         let lock = self.lock_for(id);
         let _g = lock.lock().await;
         let mut row = self.visible(team, id).await?;
+        // 0: a resume by traffic gives the sandbox its own create timeout again.
+        let t = if t == 0 {
+            u64::try_from(row.timeout_s).unwrap_or(0).max(1)
+        } else {
+            t
+        };
+        self.check_timeout(t)?;
         let new_end = crate::now_ms() + (t as i64) * 1000;
         match row.state()? {
             SandboxState::Running => {
@@ -666,6 +849,7 @@ impl Controller {
                     cursor: after.clone(),
                     ascending: p.ascending,
                     limit: batch,
+                    started_after_ms: p.started_after_ms,
                 })
                 .await?;
             let full = got.len() == batch;
@@ -689,6 +873,45 @@ impl Controller {
         Ok((rows, token))
     }
 
+    /// A sandbox past its end: paused if it asked for that at its timeout (and is running),
+    /// else killed. True when it was paused or killed now.
+    async fn expire(&self, id: &str) -> Result<bool, MasterError> {
+        let auto_pause = {
+            let lock = self.lock_for(id);
+            let _g = lock.lock().await;
+            let Some(row) = self.db.get_sandbox(id).await? else {
+                return Ok(false);
+            };
+            let st = row.state()?;
+            // A connect or timeout change since the look-up wins.
+            if st != SandboxState::Killing && row.end_at_ms > crate::now_ms() {
+                return Ok(false);
+            }
+            if st == SandboxState::Running && row.auto_pause == 1 {
+                match self.pause_locked("", row, "timeout (auto-pause)").await {
+                    Ok(_) => {
+                        self.metrics.auto_paused.inc();
+                        tracing::info!(sandbox = %id, "sandbox paused at its timeout");
+                        return Ok(true);
+                    }
+                    Err(e) => Some(e),
+                }
+            } else {
+                None
+            }
+        };
+        let reason = match auto_pause {
+            // Kept running past its timeout it would hold the node forever: it goes, and the
+            // reason says why its state was not kept.
+            Some(e) => {
+                tracing::warn!(sandbox = %id, error = %e, "auto-pause at the timeout failed; killing");
+                format!("timeout; auto-pause failed: {e}")
+            }
+            None => "timeout".to_string(),
+        };
+        self.kill("", id, &reason).await
+    }
+
     /// Kills expired sandboxes and retries kills left half-done.
     pub async fn reap_once(&self) -> Result<usize, MasterError> {
         let mut ids = self.db.expired(crate::now_ms()).await?;
@@ -701,11 +924,19 @@ impl Controller {
         );
         let mut n = 0;
         for id in ids {
-            match self.kill("", &id, "timeout").await {
+            match self.expire(&id).await {
                 Ok(true) => n += 1,
                 Ok(false) => {}
-                Err(e) => tracing::warn!(sandbox = %id, error = %e, "reaper kill failed"),
+                Err(e) => {
+                    tracing::warn!(sandbox = %id, error = %e, "reaper pass on a sandbox failed")
+                }
             }
+        }
+        if self.cfg.idempotency_retention_s > 0 {
+            let before = crate::now_ms().saturating_sub(
+                i64::try_from(self.cfg.idempotency_retention_s * 1000).unwrap_or(i64::MAX),
+            );
+            self.db.purge_idempotency_keys(before).await?;
         }
         if self.cfg.killed_retention_s > 0 {
             let before = crate::now_ms().saturating_sub(

@@ -417,7 +417,11 @@ impl Snapshots<'_> {
                 timeout_s,
                 metadata: src.metadata_map(),
                 env_vars: Default::default(),
-                allow_internet: None,
+                // A fork keeps its source's network and lifecycle.
+                allow_internet: src.internet(),
+                auto_pause: src.auto_pause == 1,
+                auto_resume: src.auto_resume == 1,
+                idempotency_key: String::new(),
             })
         });
         let results = futures_util::future::join_all(creates).await;

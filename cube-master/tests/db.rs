@@ -31,6 +31,10 @@ fn row(id: &str) -> SandboxRow {
         started_at_ms: 1,
         end_at_ms: 10,
         updated_at_ms: 1,
+        auto_pause: 0,
+        auto_resume: 0,
+        timeout_s: 9,
+        internet: 1,
     }
 }
 
@@ -155,6 +159,16 @@ async fn pages_filter_in_sql_and_killed_rows_are_purged(url: String) {
         .await
         .unwrap();
     assert_eq!(ids(other), ["s9", "s8"]);
+    // `startedAfter` is "at or after" (the SDK's words): s4 and s5 both started at 14.
+    let later = db
+        .page_sandboxes(&PageQuery {
+            states: &running,
+            started_after_ms: 14,
+            ..PageQuery::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(ids(later), ["s9", "s8", "s7", "s6", "s5", "s4"]);
     // Only killed rows older than the cut-off go.
     let now = cube_master::now_ms();
     assert_eq!(db.purge_killed(now - 3_600_000).await.unwrap(), 0);
@@ -166,6 +180,58 @@ both_backends!(
     paging,
     super::pages_filter_in_sql_and_killed_rows_are_purged
 );
+
+async fn idempotency_keys_claim_once_per_team(url: String) {
+    let db = Db::open(&url).await.unwrap();
+    assert_eq!(
+        db.claim_idempotency_key("t", "k1", "sa", "fp")
+            .await
+            .unwrap(),
+        None
+    );
+    // A second claim (another request, or another master on the same database) sees the first.
+    assert_eq!(
+        db.claim_idempotency_key("t", "k1", "sb", "fp2")
+            .await
+            .unwrap(),
+        Some(("sa".to_string(), "fp".to_string()))
+    );
+    // Keys are per team.
+    assert_eq!(
+        db.claim_idempotency_key("u", "k1", "sc", "fp")
+            .await
+            .unwrap(),
+        None
+    );
+    // Released (its create failed), the key can be claimed again.
+    db.release_idempotency_key("t", "k1").await.unwrap();
+    assert_eq!(
+        db.claim_idempotency_key("t", "k1", "sd", "fp")
+            .await
+            .unwrap(),
+        None
+    );
+    let now = cube_master::now_ms();
+    assert_eq!(db.purge_idempotency_keys(now - 60_000).await.unwrap(), 0);
+    assert_eq!(db.purge_idempotency_keys(now + 1).await.unwrap(), 2);
+    assert_eq!(
+        db.claim_idempotency_key("t", "k1", "se", "fp")
+            .await
+            .unwrap(),
+        None
+    );
+    // The lifecycle columns round-trip.
+    let mut r = row("lc");
+    r.auto_pause = 1;
+    r.auto_resume = 1;
+    r.timeout_s = 42;
+    r.internet = 0;
+    db.insert_sandbox(&r).await.unwrap();
+    let got = db.get_sandbox("lc").await.unwrap().unwrap();
+    assert_eq!((got.auto_pause, got.auto_resume, got.timeout_s), (1, 1, 42));
+    assert_eq!(got.internet(), Some(false));
+}
+both_backends!(idempotency, super::idempotency_keys_claim_once_per_team);
 
 async fn api_keys(url: String) {
     let db = Db::open(&url).await.unwrap();

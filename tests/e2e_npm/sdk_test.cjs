@@ -105,6 +105,51 @@ const cases = [
     assert(r.stdout === 'hello from npm', 'file survives pause ' + JSON.stringify(r.stdout))
     sbx = back
   }],
+  ['auto_pause_resume', async () => {
+    // 2.51 has `lifecycle`; 2.13 has `betaCreate({ autoPause })` (pause at the timeout only).
+    const modern = typeof Sandbox.betaCreate !== 'function' || VERSION.split('.')[1] >= 51
+    const s = modern
+      ? await Sandbox.create(TEMPLATE, { timeoutMs: 3_000, lifecycle: { onTimeout: 'pause', autoResume: true } })
+      : await Sandbox.betaCreate(TEMPLATE, { timeoutMs: 3_000, autoPause: true })
+    try {
+      await s.files.write('/tmp/lc.txt', 'kept')
+      let state = ''
+      for (let i = 0; i < 600 && state !== 'paused'; i++) {
+        state = (await Sandbox.getInfo(s.sandboxId)).state
+        if (state !== 'paused') await new Promise((r) => setTimeout(r, 100))
+      }
+      assert(state === 'paused', 'paused at the timeout, not killed: ' + state)
+      if (modern) {
+        const info = await Sandbox.getInfo(s.sandboxId)
+        assert(info.lifecycle && info.lifecycle.onTimeout === 'pause' && info.lifecycle.autoResume === true,
+          'lifecycle in the info: ' + JSON.stringify(info.lifecycle))
+        // The next call through the edge resumes it and is served.
+        const r = await s.commands.run('cat /tmp/lc.txt')
+        assert(r.stdout === 'kept', 'served after the auto-resume: ' + JSON.stringify(r.stdout))
+      } else {
+        const back = await Sandbox.connect(s.sandboxId, { timeoutMs: 60_000 })
+        const r = await back.commands.run('cat /tmp/lc.txt')
+        assert(r.stdout === 'kept', 'file after connect: ' + JSON.stringify(r.stdout))
+      }
+      assert((await Sandbox.getInfo(s.sandboxId)).state === 'running', 'running again')
+    } finally {
+      await Sandbox.kill(s.sandboxId).catch(() => {})
+    }
+  }],
+  ['refused_network_policy', async () => {
+    if (VERSION.split('.')[1] < 51) {
+      // 2.13 has no network option; its create body carries an unknown field the same way.
+      const r = await fetch(process.env.E2B_API_URL + '/sandboxes', {
+        method: 'POST', headers: { 'X-API-KEY': process.env.E2B_API_KEY, 'Content-Type': 'application/json' },
+        body: JSON.stringify({ templateID: TEMPLATE, network: { denyOut: ['10.0.0.1/32'] } }),
+      })
+      const body = await r.json()
+      assert(r.status === 400 && body.message.includes('network.denyOut'), JSON.stringify(body))
+      return
+    }
+    const e = await rejects(Sandbox.create(TEMPLATE, { network: { denyOut: ['10.0.0.1/32'] } }), null, 'deny_out')
+    assert(String(e).includes('network.denyOut'), 'named in the error: ' + e)
+  }],
   ['kill', async () => {
     assert((await sbx.kill()) !== false, 'kill')
     assert((await Sandbox.kill(sbx.sandboxId)) === false, 'second kill is false')

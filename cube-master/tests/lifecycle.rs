@@ -1,0 +1,190 @@
+//! E2B lifecycle in the master on both backends: pause instead of kill at the timeout
+//! (`autoPause`), paused sandboxes kept for the retention, resume with the create's own timeout,
+//! refresh that never shortens, and idempotent creates. Nodes are in-process fake cubelets over
+//! real gRPC (tests/common).
+
+#[macro_use]
+mod common;
+
+use common::{serve, FakeNode};
+use cube_master::db::Db;
+use cube_master::nodes::Nodes;
+use cube_master::service::{Controller, CreateParams};
+use cube_master::{MasterConfig, MasterError};
+use cube_proto::nodev1 as pb;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+async fn controller(url: &str, node: &Arc<FakeNode>) -> Controller {
+    let (addr, stop) = serve(node.clone()).await;
+    // The fake node lives as long as the test process.
+    std::mem::forget(stop);
+    let db = Db::open(url).await.unwrap();
+    let statics = vec![addr];
+    let nodes = Nodes::new(&statics, 3).unwrap();
+    let ctl = Controller::new(
+        MasterConfig {
+            nodes: statics,
+            ..Default::default()
+        },
+        db,
+        nodes,
+    );
+    ctl.load_nodes().await.unwrap();
+    ctl.nodes.poll_once().await;
+    ctl.check_nodes().await;
+    ctl
+}
+
+fn params(timeout_s: u64) -> CreateParams {
+    CreateParams {
+        team_id: "t".into(),
+        template: "base".into(),
+        timeout_s,
+        ..Default::default()
+    }
+}
+
+const DAY_MS: i64 = 24 * 3600 * 1000;
+
+async fn auto_pause_at_the_timeout(url: String) {
+    let node = FakeNode::new("lc");
+    let ctl = controller(&url, &node).await;
+    let keep = ctl
+        .create(CreateParams {
+            auto_pause: true,
+            auto_resume: true,
+            ..params(600)
+        })
+        .await
+        .unwrap();
+    let plain = ctl.create(params(600)).await.unwrap();
+    assert_eq!(
+        (keep.auto_pause, keep.auto_resume, keep.timeout_s),
+        (1, 1, 600)
+    );
+    assert_eq!(keep.internet(), Some(true));
+    // Both reach their end.
+    let past = cube_master::now_ms() - 1;
+    ctl.db.set_end(&keep.id, past).await.unwrap();
+    ctl.db.set_end(&plain.id, past).await.unwrap();
+    assert_eq!(ctl.reap_once().await.unwrap(), 2);
+    let k = ctl.get("t", &keep.id).await.unwrap();
+    assert_eq!(k.state, "paused");
+    assert!(k.reason.contains("auto-pause"), "{}", k.reason);
+    assert_eq!(
+        node.state_of(&keep.id),
+        Some(pb::SandboxState::Paused as i32)
+    );
+    // A paused sandbox's timeout no longer runs: it is kept for the paused retention.
+    assert!(
+        k.end_at_ms > cube_master::now_ms() + 29 * DAY_MS,
+        "{}",
+        k.end_at_ms
+    );
+    assert_eq!(ctl.metrics.auto_paused.get(), 1);
+    // The other one was killed, as before.
+    assert!(ctl.get("t", &plain.id).await.is_err());
+    assert_eq!(node.state_of(&plain.id), None);
+    // Nothing more happens on the next passes.
+    assert_eq!(ctl.reap_once().await.unwrap(), 0);
+    assert_eq!(node.pauses.load(Ordering::SeqCst), 1);
+    // A resume by traffic (timeout 0) gives it its own create timeout again.
+    let before = cube_master::now_ms();
+    let (r, resumed) = ctl.connect("", &keep.id, 0).await.unwrap();
+    assert!(resumed);
+    assert_eq!(r.state, "running");
+    let end = ctl.get("t", &keep.id).await.unwrap().end_at_ms;
+    assert!(
+        (before + 600_000..before + 610_000).contains(&end),
+        "{end} vs {before}"
+    );
+    // A manual pause keeps it for the retention too.
+    ctl.pause("t", &keep.id).await.unwrap();
+    let p = ctl.get("t", &keep.id).await.unwrap();
+    assert!(p.end_at_ms > cube_master::now_ms() + 29 * DAY_MS);
+    // autoResume alone cannot be satisfied: refused.
+    let e = ctl
+        .create(CreateParams {
+            auto_resume: true,
+            ..params(60)
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(e, MasterError::InvalidArgument(_)), "{e}");
+}
+both_backends!(auto_pause, super::auto_pause_at_the_timeout);
+
+async fn refresh_never_shortens(url: String) {
+    let node = FakeNode::new("rf");
+    let ctl = controller(&url, &node).await;
+    let a = ctl.create(params(600)).await.unwrap();
+    let end0 = ctl.get("t", &a.id).await.unwrap().end_at_ms;
+    let r = ctl.set_timeout("t", &a.id, 5, true).await.unwrap();
+    assert_eq!(r.end_at_ms, end0);
+    assert_eq!(ctl.get("t", &a.id).await.unwrap().end_at_ms, end0);
+    ctl.set_timeout("t", &a.id, 0, true).await.unwrap();
+    assert_eq!(ctl.get("t", &a.id).await.unwrap().end_at_ms, end0);
+    let r = ctl.set_timeout("t", &a.id, 3600, true).await.unwrap();
+    assert!(r.end_at_ms > end0 + 2_000_000);
+    // The plain timeout still sets the end either way.
+    let r = ctl.set_timeout("t", &a.id, 5, false).await.unwrap();
+    assert!(r.end_at_ms < end0);
+    assert!(ctl.set_timeout("t", &a.id, 0, false).await.is_err());
+}
+both_backends!(refresh, super::refresh_never_shortens);
+
+async fn idempotent_creates(url: String) {
+    let node = FakeNode::new("ik");
+    let ctl = Arc::new(controller(&url, &node).await);
+    let keyed = |key: &str| CreateParams {
+        idempotency_key: key.into(),
+        ..params(60)
+    };
+    // Concurrent retries of one create make one sandbox.
+    let tasks: Vec<_> = (0..4)
+        .map(|_| {
+            let ctl = ctl.clone();
+            let p = keyed("k-1");
+            tokio::spawn(async move { ctl.create(p).await })
+        })
+        .collect();
+    let mut ids = Vec::new();
+    for t in tasks {
+        ids.push(t.await.unwrap().unwrap().id);
+    }
+    ids.dedup();
+    assert_eq!(ids.len(), 1, "{ids:?}");
+    assert_eq!(node.creates.load(Ordering::SeqCst), 1);
+    assert_eq!(ctl.metrics.idempotent_replays.get(), 3);
+    // A later retry answers with it too; the same key for another request is refused.
+    assert_eq!(ctl.create(keyed("k-1")).await.unwrap().id, ids[0]);
+    let other = CreateParams {
+        timeout_s: 61,
+        ..keyed("k-1")
+    };
+    let e = ctl.create(other).await.unwrap_err();
+    assert!(matches!(e, MasterError::FailedPrecondition(_)), "{e}");
+    // Keys are per team.
+    let u = CreateParams {
+        team_id: "u".into(),
+        ..keyed("k-1")
+    };
+    assert_ne!(ctl.create(u).await.unwrap().id, ids[0]);
+    // A create that failed leaves the key free for a retry (even a corrected one).
+    let bad = CreateParams {
+        template: "nope".into(),
+        ..keyed("k-2")
+    };
+    assert!(matches!(
+        ctl.create(bad).await,
+        Err(MasterError::NotFound(_))
+    ));
+    let fixed = ctl.create(keyed("k-2")).await.unwrap();
+    assert_eq!(fixed.state, "running");
+    // Once its sandbox is killed, the key answers that (rather than a dead sandbox).
+    ctl.kill("t", &ids[0], "test").await.unwrap();
+    let e = ctl.create(keyed("k-1")).await.unwrap_err();
+    assert!(e.to_string().contains("killed"), "{e}");
+}
+both_backends!(idempotency, super::idempotent_creates);
