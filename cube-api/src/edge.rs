@@ -173,8 +173,10 @@ pub async fn serve(listener: TcpListener, edge: Edge) -> std::io::Result<()> {
                 let edge = edge.clone();
                 async move { Ok::<_, std::convert::Infallible>(handle(req, edge, peer.ip()).await) }
             });
+            // Upgrades: WebSocket (e2b-desktop's VNC, any app in the sandbox) passes through.
             if let Err(e) = hyper::server::conn::http1::Builder::new()
                 .serve_connection(TokioIo::new(stream), svc)
+                .with_upgrades()
                 .await
             {
                 tracing::debug!(%peer, error = %e, "edge connection ended");
@@ -310,6 +312,15 @@ fn authorize_interpreter(headers: &mut hyper::HeaderMap, info: &pb::SandboxInfo)
     true
 }
 
+/// Whether the request carries the sandbox's traffic access token.
+fn has_traffic_token(headers: &hyper::HeaderMap, info: &pb::SandboxInfo) -> bool {
+    traffic_token(&info.access_token).is_some_and(|t| {
+        headers
+            .get(TRAFFIC_TOKEN_HEADER)
+            .is_some_and(|v| ct_eq(v.as_bytes(), t.as_bytes()))
+    })
+}
+
 /// Constant-time comparison (token checks must not leak a prefix through timing).
 fn ct_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
@@ -388,6 +399,30 @@ async fn handle_inner(
                 serde_json::json!({"code": 401, "message": "unauthorized access, please provide a valid access token"}),
             ),
         );
+    }
+    // A sandbox created with allowPublicTraffic false: its ports need the traffic access token
+    // (envd's port has envd's own token; the interpreter's was checked above).
+    if info.private_ports
+        && port != ENVD_PORT
+        && port != INTERPRETER_PORT
+        && !has_traffic_token(req.headers(), &info)
+    {
+        return (
+            "forbidden",
+            forbidden(&format!(
+                "sandbox {} does not allow public traffic: send its traffic access token in the {TRAFFIC_TOKEN_HEADER} header",
+                info.sandbox_id
+            )),
+        );
+    }
+    if !info.mask_request_host.is_empty() {
+        let host = info.mask_request_host.replace("${PORT}", &port.to_string());
+        match hyper::header::HeaderValue::from_str(&host) {
+            Ok(v) => {
+                req.headers_mut().insert(hyper::header::HOST, v);
+            }
+            Err(_) => return ("not_found", not_found(&info.sandbox_id)),
+        }
     }
     let Ok(agent) = info.agent_address.parse::<SocketAddr>() else {
         return ("not_found", not_found(&info.sandbox_id));
@@ -471,7 +506,7 @@ where
 }
 
 async fn proxy(
-    req: Request<Incoming>,
+    mut req: Request<Incoming>,
     target: SocketAddr,
     iface: &str,
     metrics: &Metrics,
@@ -489,13 +524,42 @@ async fn proxy(
     stream.set_nodelay(true)?;
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
     tokio::spawn(async move {
-        if let Err(e) = conn.await {
+        if let Err(e) = conn.with_upgrades().await {
             tracing::debug!(error = %e, "edge upstream connection ended");
         }
     });
     let to = metrics.edge_bytes.with_label_values(&["to_sandbox"]);
     let from = metrics.edge_bytes.with_label_values(&["from_sandbox"]);
-    let resp = sender.send_request(req.map(|b| counted(b, to))).await?;
+    let client_upgrade = req
+        .headers()
+        .contains_key(hyper::header::UPGRADE)
+        .then(|| hyper::upgrade::on(&mut req));
+    let mut resp = sender.send_request(req.map(|b| counted(b, to))).await?;
+    if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
+        if let Some(client) = client_upgrade {
+            // Both sides switched (the client once it reads this 101): splice them.
+            let upstream = hyper::upgrade::on(&mut resp);
+            let (to, from) = (
+                metrics.edge_bytes.with_label_values(&["to_sandbox"]),
+                metrics.edge_bytes.with_label_values(&["from_sandbox"]),
+            );
+            tokio::spawn(async move {
+                match tokio::try_join!(client, upstream) {
+                    Ok((c, u)) => {
+                        let (mut c, mut u) = (TokioIo::new(c), TokioIo::new(u));
+                        match tokio::io::copy_bidirectional(&mut c, &mut u).await {
+                            Ok((up, down)) => {
+                                to.inc_by(up);
+                                from.inc_by(down);
+                            }
+                            Err(e) => tracing::debug!(error = %e, "edge upgraded connection ended"),
+                        }
+                    }
+                    Err(e) => tracing::debug!(error = %e, "edge upgrade failed"),
+                }
+            });
+        }
+    }
     Ok(resp.map(|b| counted(b, from)))
 }
 

@@ -306,6 +306,12 @@ fn detail_json(s: &pb::SandboxInfo, cfg: &ApiConfig) -> Value {
                 "onTimeout": if s.auto_pause { "pause" } else { "kill" },
             }),
         );
+        let mut network = serde_json::Map::new();
+        network.insert("allowPublicTraffic".into(), json!(!s.private_ports));
+        if !s.mask_request_host.is_empty() {
+            network.insert("maskRequestHost".into(), json!(s.mask_request_host));
+        }
+        o.insert("network".into(), Value::Object(network));
         // Every runtime's pause keeps memory (namespace and gvisor freeze; microvm saves it).
         if public_state(&s.state) == "paused" {
             o.insert("pauseMode".into(), json!("full"));
@@ -353,19 +359,28 @@ fn create_request(
             on
         }
     };
+    let (mut private_ports, mut mask_request_host) = (false, String::new());
     if let Some(mut n) = b.object("network")? {
-        if n.bool("allowPublicTraffic")? == Some(false) {
-            return Err(unsupported(
-                "network.allowPublicTraffic: false",
-                "sandbox ports are reached only by the sandbox's token holders today",
-            ));
+        private_ports = n.bool("allowPublicTraffic")? == Some(false);
+        if let Some(m) = n.string("maskRequestHost")? {
+            // A header value, short, with at most the one placeholder E2B defines.
+            let plain = m.replace("${PORT}", "1");
+            if m.len() > 255
+                || !plain
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"-.:[]_".contains(&b))
+            {
+                return Err(ApiError::bad_request(
+                    "network.maskRequestHost must be a host[:port] (letters, digits, '-', '.', ':', '_', \"${PORT}\"), at most 255 characters",
+                ));
+            }
+            mask_request_host = m;
         }
         for k in [
             "allowOut",
             "denyOut",
             "dnsServers",
             "egressProxy",
-            "maskRequestHost",
             "httpsPorts",
             "rules",
         ] {
@@ -390,6 +405,8 @@ fn create_request(
         auto_pause,
         auto_resume,
         idempotency_key: String::new(),
+        private_ports,
+        mask_request_host,
     })
 }
 
@@ -478,17 +495,27 @@ async fn set_timeout(
     let mut b = Fields::parse(&body, false)?;
     let t = b.timeout(None)?;
     b.finish()?;
-    let id_for_cache = id.clone();
+    change_end(&st, team, id, t, false).await
+}
+
+/// Sets a sandbox's end to now + `t` (with `extend_only`, only if that is later): 204.
+async fn change_end(
+    st: &AppState,
+    team: Team,
+    id: String,
+    t: u64,
+    extend_only: bool,
+) -> Result<Response, ApiError> {
     let mut m = st.master.clone();
     m.set_timeout(pb::SetTimeoutRequest {
         team_id: team.0,
-        sandbox_id: id,
+        sandbox_id: id.clone(),
         timeout_s: t,
-        extend_only: false,
+        extend_only,
     })
     .await?;
     // The edge treats a sandbox past its end as possibly paused: it must see the new end.
-    st.invalidate(&id_for_cache);
+    st.invalidate(&id);
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
@@ -515,17 +542,7 @@ async fn refresh(
         }
     };
     b.finish()?;
-    let id_for_cache = id.clone();
-    let mut m = st.master.clone();
-    m.set_timeout(pb::SetTimeoutRequest {
-        team_id: team.0,
-        sandbox_id: id,
-        timeout_s: d,
-        extend_only: true,
-    })
-    .await?;
-    st.invalidate(&id_for_cache);
-    Ok(StatusCode::NO_CONTENT.into_response())
+    change_end(&st, team, id, d, true).await
 }
 
 /// `memory: false` asks for a filesystem-only pause or a reboot on resume.
@@ -762,8 +779,11 @@ mod tests {
             assert!(!r.auto_pause && !r.auto_resume);
         }
         let r = req(r#"{"templateID":"base","autoPause":true,"autoPauseMemory":true,"autoResume":{"enabled":true},"allow_internet_access":false,"network":{"allowPublicTraffic":true,"allowOut":[]},"mcp":null}"#).unwrap();
-        assert!(r.auto_pause && r.auto_resume);
+        assert!(r.auto_pause && r.auto_resume && !r.private_ports);
         assert_eq!(r.allow_internet, Some(false));
+        let p = req(r#"{"templateID":"base","network":{"allowPublicTraffic":false,"maskRequestHost":"localhost:${PORT}"}}"#).unwrap();
+        assert!(p.private_ports);
+        assert_eq!(p.mask_request_host, "localhost:${PORT}");
         assert_eq!(r.timeout_s, 300);
     }
 
@@ -775,8 +795,12 @@ mod tests {
                 "network.denyOut",
             ),
             (
-                r#"{"templateID":"base","network":{"allowPublicTraffic":false}}"#,
-                "network.allowPublicTraffic",
+                r#"{"templateID":"base","network":{"maskRequestHost":"a\r\nb"}}"#,
+                "network.maskRequestHost",
+            ),
+            (
+                r#"{"templateID":"base","network":{"httpsPorts":[443]}}"#,
+                "network.httpsPorts",
             ),
             (
                 r#"{"templateID":"base","network":{"bogus":1}}"#,

@@ -61,6 +61,10 @@ pub struct SandboxRow {
     pub timeout_s: i64,
     /// 0/1, or -1 for rows from before it was recorded.
     pub internet: i64,
+    /// 0/1: the edge requires the traffic access token for its ports.
+    pub private_ports: i64,
+    /// The Host header the edge sends (`${PORT}` replaced); empty = the client's.
+    pub mask_request_host: String,
 }
 
 impl SandboxRow {
@@ -223,9 +227,9 @@ impl Db {
             "INSERT INTO sandboxes (id, team_id, template, build, state, reason, node_id, \
              agent_address, host_interface, access_token, envd_version, metadata, vcpus, \
              memory_mib, disk_mib, runtime, started_at_ms, end_at_ms, updated_at_ms, auto_pause, \
-             auto_resume, timeout_s, internet) \
+             auto_resume, timeout_s, internet, private_ports, mask_request_host) \
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, \
-             $20, $21, $22, $23)",
+             $20, $21, $22, $23, $24, $25)",
         )
         .bind(&r.id)
         .bind(&r.team_id)
@@ -250,6 +254,8 @@ impl Db {
         .bind(r.auto_resume)
         .bind(r.timeout_s)
         .bind(r.internet)
+        .bind(r.private_ports)
+        .bind(&r.mask_request_host)
         .execute(&self.pool)
         .await?;
         Ok(())

@@ -46,6 +46,8 @@ pub fn to_info(ctl: &Controller, r: &SandboxRow) -> pb::SandboxInfo {
         auto_resume: r.auto_resume == 1,
         allow_internet: r.internet(),
         timeout_s: r.timeout_s.max(0) as u64,
+        private_ports: r.private_ports == 1,
+        mask_request_host: r.mask_request_host.clone(),
     }
 }
 
@@ -80,6 +82,8 @@ impl Master for MasterService {
                 auto_pause: r.auto_pause,
                 auto_resume: r.auto_resume,
                 idempotency_key: r.idempotency_key,
+                private_ports: r.private_ports,
+                mask_request_host: r.mask_request_host,
             })
             .await;
         let m = &self.ctl.metrics;

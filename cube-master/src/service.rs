@@ -31,6 +31,10 @@ pub struct CreateParams {
     /// Empty = none. A create repeated with the same key (per team) answers with the first
     /// one's sandbox.
     pub idempotency_key: String,
+    /// The edge requires the traffic access token for the sandbox's ports.
+    pub private_ports: bool,
+    /// The Host header the edge sends the sandbox (`${PORT}` replaced); empty = the client's.
+    pub mask_request_host: String,
 }
 
 impl CreateParams {
@@ -59,7 +63,9 @@ impl CreateParams {
             },
             u8::from(self.auto_pause),
             u8::from(self.auto_resume),
+            u8::from(self.private_ports),
         ]);
+        field(self.mask_request_host.as_bytes());
         hex::encode(h.finalize())
     }
 }
@@ -374,6 +380,8 @@ impl Controller {
             auto_resume: i64::from(p.auto_resume),
             timeout_s: p.timeout_s as i64,
             internet: i64::from(p.allow_internet.unwrap_or(true)),
+            private_ports: i64::from(p.private_ports),
+            mask_request_host: p.mask_request_host.clone(),
         };
         row.access_token = crate::token::stored(&self.tokens.token(&row.id));
         let lock = self.lock_for(&row.id);
@@ -475,6 +483,9 @@ impl Controller {
             metadata: p.metadata.clone().into_iter().collect(),
             network: Some(node::NetworkPolicy {
                 internet: p.allow_internet.unwrap_or(true),
+                // Any port the sandbox listens on is reachable through the edge (E2B's public
+                // ports); the edge decides who may use them (allowPublicTraffic).
+                all_ports: true,
                 ..Default::default()
             }),
             access_token: self.access_token(row),

@@ -422,6 +422,8 @@ impl Snapshots<'_> {
                 auto_pause: src.auto_pause == 1,
                 auto_resume: src.auto_resume == 1,
                 idempotency_key: String::new(),
+                private_ports: src.private_ports == 1,
+                mask_request_host: src.mask_request_host.clone(),
             })
         });
         let results = futures_util::future::join_all(creates).await;

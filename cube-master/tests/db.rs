@@ -35,6 +35,8 @@ fn row(id: &str) -> SandboxRow {
         auto_resume: 0,
         timeout_s: 9,
         internet: 1,
+        private_ports: 0,
+        mask_request_host: String::new(),
     }
 }
 
@@ -226,10 +228,14 @@ async fn idempotency_keys_claim_once_per_team(url: String) {
     r.auto_resume = 1;
     r.timeout_s = 42;
     r.internet = 0;
+    r.private_ports = 1;
+    r.mask_request_host = "localhost:${PORT}".into();
     db.insert_sandbox(&r).await.unwrap();
     let got = db.get_sandbox("lc").await.unwrap().unwrap();
     assert_eq!((got.auto_pause, got.auto_resume, got.timeout_s), (1, 1, 42));
     assert_eq!(got.internet(), Some(false));
+    assert_eq!(got.private_ports, 1);
+    assert_eq!(got.mask_request_host, "localhost:${PORT}");
 }
 both_backends!(idempotency, super::idempotency_keys_claim_once_per_team);
 

@@ -6,34 +6,18 @@
 #[macro_use]
 mod common;
 
-use common::{serve, FakeNode};
-use cube_master::db::Db;
-use cube_master::nodes::Nodes;
+use common::{controller, serve, FakeNode};
 use cube_master::service::{Controller, CreateParams};
 use cube_master::{MasterConfig, MasterError};
 use cube_proto::nodev1 as pb;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-async fn controller(url: &str, node: &Arc<FakeNode>) -> Controller {
+/// A controller over one fake node that lives as long as the test process.
+async fn controller_on(url: &str, node: &Arc<FakeNode>) -> Controller {
     let (addr, stop) = serve(node.clone()).await;
-    // The fake node lives as long as the test process.
     std::mem::forget(stop);
-    let db = Db::open(url).await.unwrap();
-    let statics = vec![addr];
-    let nodes = Nodes::new(&statics, 3).unwrap();
-    let ctl = Controller::new(
-        MasterConfig {
-            nodes: statics,
-            ..Default::default()
-        },
-        db,
-        nodes,
-    );
-    ctl.load_nodes().await.unwrap();
-    ctl.nodes.poll_once().await;
-    ctl.check_nodes().await;
-    ctl
+    controller(url, &[addr], MasterConfig::default()).await
 }
 
 fn params(timeout_s: u64) -> CreateParams {
@@ -49,7 +33,7 @@ const DAY_MS: i64 = 24 * 3600 * 1000;
 
 async fn auto_pause_at_the_timeout(url: String) {
     let node = FakeNode::new("lc");
-    let ctl = controller(&url, &node).await;
+    let ctl = controller_on(&url, &node).await;
     let keep = ctl
         .create(CreateParams {
             auto_pause: true,
@@ -117,7 +101,7 @@ both_backends!(auto_pause, super::auto_pause_at_the_timeout);
 
 async fn refresh_never_shortens(url: String) {
     let node = FakeNode::new("rf");
-    let ctl = controller(&url, &node).await;
+    let ctl = controller_on(&url, &node).await;
     let a = ctl.create(params(600)).await.unwrap();
     let end0 = ctl.get("t", &a.id).await.unwrap().end_at_ms;
     let r = ctl.set_timeout("t", &a.id, 5, true).await.unwrap();
@@ -136,7 +120,7 @@ both_backends!(refresh, super::refresh_never_shortens);
 
 async fn idempotent_creates(url: String) {
     let node = FakeNode::new("ik");
-    let ctl = Arc::new(controller(&url, &node).await);
+    let ctl = Arc::new(controller_on(&url, &node).await);
     let keyed = |key: &str| CreateParams {
         idempotency_key: key.into(),
         ..params(60)

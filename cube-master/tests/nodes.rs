@@ -5,32 +5,13 @@
 #[macro_use]
 mod common;
 
-use common::{serve, FakeNode};
-use cube_master::db::Db;
-use cube_master::nodes::Nodes;
+use common::{controller, serve, FakeNode};
 use cube_master::service::{Controller, CreateParams, ListParams};
 use cube_master::state::SandboxState;
 use cube_master::{MasterConfig, MasterError};
 use cube_proto::master::v1 as pb;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
-
-async fn controller(url: &str, statics: &[String], cfg: MasterConfig) -> Controller {
-    let db = Db::open(url).await.unwrap();
-    let nodes = Nodes::new(statics, cfg.node_max_misses).unwrap();
-    let ctl = Controller::new(
-        MasterConfig {
-            nodes: statics.to_vec(),
-            ..cfg
-        },
-        db,
-        nodes,
-    );
-    ctl.load_nodes().await.unwrap();
-    ctl.nodes.poll_once().await;
-    ctl.check_nodes().await;
-    ctl
-}
 
 fn params() -> CreateParams {
     CreateParams {

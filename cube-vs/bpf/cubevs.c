@@ -500,11 +500,14 @@ int cvs_to_guest(struct __sk_buff *skb)
 			       .local_port = l4.dport,
 			       .proto = l4.proto };
 	struct exposed_key ek = { .ifindex = ifindex, .port = bpf_ntohs(l4.dport) };
+	// Port 0 stands for every port (ANY_PORT): E2B's public ports, still node-originated only.
+	struct exposed_key any = { .ifindex = ifindex, .port = 0 };
 	__u32 by_node = FLOW_BY_NODE;
 	if (l4.proto == IPPROTO_TCP) {
 		if (l4.l4_off >= 0 && (l4.tcp_flags & 0x02) && !(l4.tcp_flags & 0x10)) {
 			// A new connection: only from the node, only to an exposed port.
-			if (!local || !bpf_map_lookup_elem(&cvs_exposed, &ek))
+			if (!local || !(bpf_map_lookup_elem(&cvs_exposed, &ek) ||
+					bpf_map_lookup_elem(&cvs_exposed, &any)))
 				goto drop;
 			bpf_map_update_elem(flows, &fk, &by_node, BPF_ANY);
 		}
@@ -512,7 +515,8 @@ int cvs_to_guest(struct __sk_buff *skb)
 		if (l4.l4_off >= 0) {
 			__u32 *dir = bpf_map_lookup_elem(flows, &fk);
 			if (!(dir && *dir == FLOW_BY_GUEST)) {
-				if (!local || !bpf_map_lookup_elem(&cvs_exposed, &ek))
+				if (!local || !(bpf_map_lookup_elem(&cvs_exposed, &ek) ||
+						bpf_map_lookup_elem(&cvs_exposed, &any)))
 					goto drop;
 				bpf_map_update_elem(flows, &fk, &by_node, BPF_ANY);
 			}

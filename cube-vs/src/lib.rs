@@ -93,7 +93,7 @@ pub use error::{Error, Result};
 pub use policy::{EgressPolicy, ALWAYS_DENIED};
 pub use pool::AddrPool;
 pub use switch::{
-    datapath_built, Counters, DirCounters, Port, PortInfo, SandboxNet, Switch,
+    datapath_built, Counters, DirCounters, Port, PortInfo, SandboxNet, Switch, ANY_PORT,
     DEFAULT_EXPOSED_PORTS, MAX_POLICY_ENTRIES,
 };
 

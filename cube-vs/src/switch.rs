@@ -23,6 +23,10 @@ static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/cu
 /// Ports every sandbox exposes to the edge: envd and the code interpreter.
 pub const DEFAULT_EXPOSED_PORTS: [u16; 2] = [49983, 49999];
 
+/// In [`SandboxNet::exposed_ports`]: every guest port (E2B's public ports, reached through the
+/// edge by `Host: <port>-<id>.<domain>`). Still only for connections the node opens.
+pub const ANY_PORT: u16 = 0;
+
 /// Fixed tc priority and handle of our filters, so that a restarted loader can find and
 /// atomically replace them.
 const TC_PRIORITY: u16 = 0xcb;
@@ -53,7 +57,7 @@ pub struct SandboxNet {
     /// Egress policy.
     pub policy: EgressPolicy,
     /// Guest ports the node's edge may open connections to (TCP and UDP). Include
-    /// [`DEFAULT_EXPOSED_PORTS`]; [`SandboxNet::new`] does.
+    /// [`DEFAULT_EXPOSED_PORTS`] ([`SandboxNet::new`] does), or [`ANY_PORT`] for all.
     pub exposed_ports: Vec<u16>,
 }
 

@@ -115,6 +115,24 @@ fn isolation_translation_and_exposed_ports() {
         sw.set_exposed_ports(&p0, &[49983, 49999, 22]).unwrap();
         assert!(tcp_get(&h, HOST0, 22).is_some_and(|a| a.starts_with("g0 ")));
         assert_eq!(tcp_get(&h, HOST1, 22), None, "sandbox 1 unaffected");
+        // Every port (E2B's public ports): the node reaches any of sandbox 1's, and still only
+        // the node does.
+        sw.set_exposed_ports(&p1, &[cube_vs::ANY_PORT]).unwrap();
+        assert!(tcp_get(&h, HOST1, 22).is_some_and(|a| a.starts_with("g1 ")));
+        assert!(tcp_get(&h, HOST1, 49983).is_some_and(|a| a.starts_with("g1 ")));
+        assert_eq!(
+            tcp_get(&i, HOST1, 22),
+            None,
+            "internet -> any-port sandbox must drop"
+        );
+        assert_eq!(
+            tcp_get(&g0, HOST1, 22),
+            None,
+            "sandbox 0 -> any-port sandbox 1"
+        );
+        sw.set_exposed_ports(&p1, &cube_vs::DEFAULT_EXPOSED_PORTS)
+            .unwrap();
+        assert_eq!(tcp_get(&h, HOST1, 22), None, "back to the default list");
 
         let c0 = sw.counters(p0.ifindex).unwrap();
         assert!(

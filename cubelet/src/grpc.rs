@@ -61,6 +61,7 @@ fn policy_from(p: Option<pb::NetworkPolicy>) -> Result<Policy, Status> {
         allow_cidrs: p.allow_cidrs,
         deny_cidrs: p.deny_cidrs,
         exposed_ports: ports,
+        all_ports: p.all_ports,
     })
 }
 
@@ -76,6 +77,7 @@ fn policy_to(p: &Policy) -> pb::NetworkPolicy {
                 port: u32::from(*x),
             })
             .collect(),
+        all_ports: p.all_ports,
     }
 }
 

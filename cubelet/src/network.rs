@@ -85,6 +85,9 @@ pub struct Policy {
     pub allow_cidrs: Vec<String>,
     pub deny_cidrs: Vec<String>,
     pub exposed_ports: Vec<u16>,
+    /// Every guest port open to the node (E2B's public ports through the edge).
+    #[serde(default)]
+    pub all_ports: bool,
 }
 
 /// Where the switch (cube-vs) plugs in. Every method runs off the create hot path except

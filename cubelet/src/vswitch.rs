@@ -94,8 +94,13 @@ impl VsHook {
     }
 
     fn net(&self, addr: Ipv4Addr, policy: &Policy) -> Result<SandboxNet, String> {
-        let mut ports = self.base_ports.clone();
-        ports.extend(policy.exposed_ports.iter().copied());
+        let mut ports = if policy.all_ports {
+            vec![cube_vs::ANY_PORT]
+        } else {
+            let mut p = self.base_ports.clone();
+            p.extend(policy.exposed_ports.iter().copied());
+            p
+        };
         ports.sort_unstable();
         ports.dedup();
         Ok(SandboxNet {
@@ -294,6 +299,7 @@ mod tests {
             allow_cidrs: vec!["198.18.0.1/32".into(), "fd00::/8".into()],
             deny_cidrs: vec!["8.8.0.0/16".into()],
             exposed_ports: vec![8080],
+            all_ports: false,
         };
         let e = egress_policy(&p).unwrap();
         assert!(!e.internet);

@@ -21,9 +21,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ports import reserve_port  # noqa: E402  (tests/ports.py: held, not bind-and-close)
 
 TEMPLATE = "e2emini"
+# A command printing every process's name (one that exits between the glob and `cat` is skipped).
+PROCESS_NAMES = "cat /proc/[0-9]*/comm 2>/dev/null || true"
 # dmesg: a failed microVM test prints the guest's kernel log (tests/microvm_logs.py); chmod:
-# tests/isolation makes its probe executable.
-PROGRAMS = "sh,bash,cat,echo,ls,sleep,mkdir,rm,id,env,touch,sync,true,false,head,grep,dmesg,chmod"
+# tests/isolation makes its probe executable; nc, mkfifo, mv, seq: test_public_ports's servers.
+PROGRAMS = "sh,bash,cat,echo,ls,sleep,mkdir,rm,id,env,touch,sync,true,false,head,grep,dmesg,chmod,nc,mkfifo,mv,seq"
 
 
 def _bin(name):

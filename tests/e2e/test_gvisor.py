@@ -7,7 +7,7 @@ import urllib.request
 
 from e2b import Sandbox
 
-from conftest import TEMPLATE
+from conftest import PROCESS_NAMES, TEMPLATE
 
 
 def detail(cube, sid):
@@ -42,7 +42,7 @@ def test_gvisor_sandbox_lifecycle_through_the_sdk(cube_gvisor):
         a.pause()
         assert Sandbox.get_info(a.sandbox_id).state.value == "paused"
         a2 = Sandbox.connect(a.sandbox_id)
-        assert "sleep" in a2.commands.run("cat /proc/[0-9]*/comm").stdout.split()
+        assert "sleep" in a2.commands.run(PROCESS_NAMES).stdout.split()
         assert a2.files.read("/home/user/note.txt") == "kept"
         # A snapshot keeps the filesystem (what gVisor had cached is written out first).
         a2.files.write("/home/user/late.txt", "written just before the snapshot")

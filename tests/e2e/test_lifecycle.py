@@ -192,7 +192,7 @@ def test_started_after_filters_the_listing(cube):
 @pytest.mark.parametrize("opts,named", [
     ({"network": {"deny_out": ["10.0.0.1/32"]}}, "network.denyOut"),
     ({"network": {"allow_out": ["example.com"], "deny_out": ["0.0.0.0/0"]}}, "network.allowOut"),
-    ({"network": {"allow_public_traffic": False}}, "network.allowPublicTraffic"),
+    ({"network": {"https_ports": [8443]}}, "network.httpsPorts"),
     ({"lifecycle": {"on_timeout": {"action": "pause", "mode": "filesystem"}}}, "autoPauseMemory"),
     ({"mcp": {"github": {"githubPersonalAccessToken": "x"}}}, "mcp"),
 ])

@@ -13,7 +13,7 @@ import pytest
 from e2b import Sandbox
 
 import microvm_logs
-from conftest import TEMPLATE
+from conftest import PROCESS_NAMES, TEMPLATE
 
 
 def detail(cube, sid):
@@ -57,7 +57,7 @@ def test_linux_microvm_sandbox_lifecycle_through_the_sdk(cube_microvm):
                 try:
                     # The master read the fork's envd version from its agent (not its fallback).
                     assert f.get_info().envd_version == cube_microvm.envd_version, f.get_info()
-                    assert "sleep" in f.commands.run("cat /proc/[0-9]*/comm", **CMD).stdout.split()
+                    assert "sleep" in f.commands.run(PROCESS_NAMES, **CMD).stdout.split()
                     assert f.files.read("/home/user/note.txt") == "kept across pause"
                     assert f.commands.run("echo $CUBE_WHO", **CMD).stdout == "fork\n"
                 finally:

@@ -308,3 +308,25 @@ pub async fn serve(n: Arc<FakeNode>) -> (String, tokio::sync::oneshot::Sender<()
     );
     (format!("http://{addr}"), tx)
 }
+
+/// A controller on the database at `url` with these static nodes, after one poll of them.
+pub async fn controller(
+    url: &str,
+    statics: &[String],
+    cfg: cube_master::MasterConfig,
+) -> cube_master::service::Controller {
+    let db = cube_master::db::Db::open(url).await.unwrap();
+    let nodes = cube_master::nodes::Nodes::new(statics, cfg.node_max_misses).unwrap();
+    let ctl = cube_master::service::Controller::new(
+        cube_master::MasterConfig {
+            nodes: statics.to_vec(),
+            ..cfg
+        },
+        db,
+        nodes,
+    );
+    ctl.load_nodes().await.unwrap();
+    ctl.nodes.poll_once().await;
+    ctl.check_nodes().await;
+    ctl
+}
