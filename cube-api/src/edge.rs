@@ -375,19 +375,11 @@ async fn handle_inner(
         Err((Miss::NotFound, id)) => return ("not_found", not_found(&id)),
         Err((Miss::Limited(wait), _)) => return ("rate_limited", limited(wait)),
     };
-    // An autoResume sandbox past its end is about to be paused: the request resumes it (which,
-    // under the master's lock, extends it instead), rather than racing the pause.
-    let due = info.auto_resume && info.end_at_ms <= now_ms();
-    let info = if info.state == "running" && !due {
-        info
-    } else if info.auto_resume {
-        match auto_resume(&edge, &info.sandbox_id).await {
-            Some(i) => i,
-            None => return ("not_found", not_found(&info.sandbox_id)),
-        }
-    } else {
+    if info.state != "running" && !info.auto_resume {
         return ("not_found", not_found(&info.sandbox_id));
-    };
+    }
+    // The checks below read what a resume does not change (tokens, settings): they come first,
+    // so a request that would be refused does not wake a paused sandbox.
     if port == INTERPRETER_PORT
         && req.uri().path() != "/health"
         && !authorize_interpreter(req.headers_mut(), &info)
@@ -415,6 +407,17 @@ async fn handle_inner(
             )),
         );
     }
+    // An autoResume sandbox past its end is about to be paused: the request resumes it (which,
+    // under the master's lock, extends it instead), rather than racing the pause.
+    let due = info.auto_resume && info.end_at_ms <= now_ms();
+    let info = if info.state == "running" && !due {
+        info
+    } else {
+        match auto_resume(&edge, &info.sandbox_id).await {
+            Some(i) => i,
+            None => return ("not_found", not_found(&info.sandbox_id)),
+        }
+    };
     if !info.mask_request_host.is_empty() {
         let host = info.mask_request_host.replace("${PORT}", &port.to_string());
         match hyper::header::HeaderValue::from_str(&host) {

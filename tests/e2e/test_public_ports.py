@@ -155,3 +155,21 @@ def test_bad_mask_request_host_is_refused(cube, mask):
     st, body, _ = api(cube, "POST", "/v2/sandboxes",
                       {"templateID": TEMPLATE, "network": {"maskRequestHost": mask}})
     assert st == 400 and "maskRequestHost" in body["message"], body
+
+
+def test_a_refused_request_does_not_wake_a_paused_sandbox(cube):
+    from test_lifecycle import wait_state
+    sbx = Sandbox.create(TEMPLATE, timeout=4, network={"allow_public_traffic": False},
+                         lifecycle={"on_timeout": "pause", "auto_resume": True})
+    try:
+        wait_state(sbx.sandbox_id, "paused", timeout=60)
+        host = sbx.get_host(8000)
+        st, _ = edge(cube, {"Host": host})
+        assert st == 403
+        assert Sandbox.get_info(sbx.sandbox_id).state.value == "paused"
+        # With the token the request wakes it (nothing listens on 8000: E2B's 502 after that).
+        st, body = edge(cube, {"Host": host, "e2b-traffic-access-token": sbx.traffic_access_token})
+        assert st == 502 and b"port is not open" in body, body
+        assert Sandbox.get_info(sbx.sandbox_id).state.value == "running"
+    finally:
+        sbx.kill()
