@@ -10,6 +10,7 @@ use crate::ratelimit::{Class, RateLimiter};
 use crate::sandbox_cache::{Answer, Key, SandboxCache};
 use bytes::Bytes;
 use cube_proto::master::v1 as pb;
+use cube_proto::now_ms;
 use http_body_util::{combinators::BoxBody, BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::{Request, Response, StatusCode};
@@ -442,13 +443,6 @@ async fn handle_inner(
     }
 }
 
-fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
-        .unwrap_or(0)
-}
-
 /// Longest a request waits for its paused sandbox to be resumed (a pause or resume already
 /// under way must end first; a microVM resume from disk can take seconds).
 const AUTO_RESUME_WAIT: Duration = Duration::from_secs(60);
@@ -537,15 +531,14 @@ async fn proxy(
         .headers()
         .contains_key(hyper::header::UPGRADE)
         .then(|| hyper::upgrade::on(&mut req));
-    let mut resp = sender.send_request(req.map(|b| counted(b, to))).await?;
+    let mut resp = sender
+        .send_request(req.map(|b| counted(b, to.clone())))
+        .await?;
     if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
         if let Some(client) = client_upgrade {
             // Both sides switched (the client once it reads this 101): splice them.
             let upstream = hyper::upgrade::on(&mut resp);
-            let (to, from) = (
-                metrics.edge_bytes.with_label_values(&["to_sandbox"]),
-                metrics.edge_bytes.with_label_values(&["from_sandbox"]),
-            );
+            let from = from.clone();
             tokio::spawn(async move {
                 match tokio::try_join!(client, upstream) {
                     Ok((c, u)) => {

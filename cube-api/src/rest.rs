@@ -418,12 +418,15 @@ async fn create(
     default_timeout: u64,
 ) -> Result<Response, ApiError> {
     let mut req = create_request(Fields::parse(&body, false)?, team, default_timeout)?;
+    // The master checks the key's form; here only that the header is there and text.
     if let Some(k) = headers.get("idempotency-key") {
         req.idempotency_key = k
             .to_str()
             .ok()
-            .filter(|k| (1..=255).contains(&k.len()))
-            .ok_or_else(|| ApiError::bad_request("Idempotency-Key must be 1-255 ASCII characters"))?
+            .filter(|k| !k.is_empty())
+            .ok_or_else(|| {
+                ApiError::bad_request("Idempotency-Key must be 1-255 printable ASCII characters")
+            })?
             .to_string();
     }
     let mut master = st.master.clone();

@@ -24,10 +24,4 @@ pub mod token;
 pub use config::MasterConfig;
 pub use error::MasterError;
 
-/// Unix time in milliseconds.
-pub fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
-}
+pub use cube_proto::now_ms;

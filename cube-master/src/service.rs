@@ -225,14 +225,11 @@ impl Controller {
                 return Ok(row);
             }
         }
-        let r = self.create_as(&id, p.clone()).await;
-        if r.is_err() && !p.idempotency_key.is_empty() {
+        let (team, key) = (p.team_id.clone(), p.idempotency_key.clone());
+        let r = self.create_as(&id, p).await;
+        if r.is_err() && !key.is_empty() {
             // A failed create leaves nothing to return: the key may be used again.
-            if let Err(e) = self
-                .db
-                .release_idempotency_key(&p.team_id, &p.idempotency_key)
-                .await
-            {
+            if let Err(e) = self.db.release_idempotency_key(&team, &key).await {
                 tracing::warn!(sandbox = %id, error = %e, "could not release an idempotency key");
             }
         }
@@ -253,6 +250,11 @@ impl Controller {
             ));
         }
         let fp = p.fingerprint();
+        let other_request = || {
+            MasterError::FailedPrecondition(format!(
+                "Idempotency-Key {key:?} was used for a different create request"
+            ))
+        };
         let Some((held, held_fp)) = self
             .db
             .claim_idempotency_key(&p.team_id, key, id, &fp)
@@ -261,9 +263,7 @@ impl Controller {
             return Ok(None);
         };
         if held_fp != fp {
-            return Err(MasterError::FailedPrecondition(format!(
-                "Idempotency-Key {key:?} was used for a different create request"
-            )));
+            return Err(other_request());
         }
         self.metrics.idempotent_replays.inc();
         // The first create may still be running: it answers within its create timeout.
@@ -282,11 +282,7 @@ impl Controller {
                 {
                     None => return Ok(None),
                     Some((h, f)) if f == fp => held = h,
-                    Some(_) => {
-                        return Err(MasterError::FailedPrecondition(format!(
-                            "Idempotency-Key {key:?} was used for a different create request"
-                        )))
-                    }
+                    Some(_) => return Err(other_request()),
                 }
             }
             match row.as_ref().map(|r| r.state()).transpose()? {

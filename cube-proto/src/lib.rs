@@ -20,6 +20,14 @@ pub mod master {
 
 pub use node::v1 as nodev1;
 
+/// Unix time in milliseconds, the unit of every `*_ms` time in these APIs.
+pub fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+        .unwrap_or(0)
+}
+
 pub mod isolation;
 pub mod logging;
 pub mod systemd;
