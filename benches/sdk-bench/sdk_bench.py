@@ -7,6 +7,8 @@ Measures (targets from issue 6, namespace runtime):
   creates_per_s_c16 sandboxes created per second by 16 concurrent clients: >= 100/s
   list_1000         GET /v2/sandboxes (the SDK's first page) with N live sandboxes: p95 <= 20 ms
   edge_health       GET /health through the edge (envd round trip without the agent's work)
+  egress            (issue 19) create p50 with a 20-entry denyOut within 1 ms of create without
+                    one (interleaved, same run); update_network (PUT /sandboxes/{id}/network) <= 5 ms
 
 Uses E2B_API_URL, E2B_SANDBOX_URL and E2B_API_KEY (as printed by deploy/dev-up.sh), or starts a
 private stack with --local-stack (the tests/e2e fixture: needs root and CARGO_TARGET_DIR with the
@@ -188,6 +190,34 @@ def bench_auto_resume(Sandbox, template, sandbox_url, api_url, key, n):
     return summary(ms)
 
 
+# 20 public /32s (TEST-NET-2/3): nothing listens there, only the rule count matters.
+EGRESS_20 = [f"198.51.100.{i}" for i in range(1, 11)] + [f"203.0.113.{i}" for i in range(1, 11)]
+
+
+def bench_egress(Sandbox, template, n):
+    """Creates with and without a 20-entry policy, alternating so both see the same machine;
+    then `update_network` on one sandbox, alternating two 20-entry policies."""
+    plain, ruled, kills = [], [], killer()
+    for i in range(2 * n):
+        opts = {"network": {"deny_out": EGRESS_20}} if i % 2 else {}
+        t0 = time.perf_counter()
+        s = Sandbox.create(template, timeout=120, **opts)
+        (ruled if i % 2 else plain).append((time.perf_counter() - t0) * 1000)
+        kills.submit(s.kill)
+    kills.shutdown(wait=True)
+    s = Sandbox.create(template, timeout=120)
+    up = []
+    try:
+        for i in range(n):
+            pol = {"deny_out": EGRESS_20} if i % 2 else {"allow_out": EGRESS_20, "deny_out": ["0.0.0.0/0"]}
+            t0 = time.perf_counter()
+            s.update_network(pol)
+            up.append((time.perf_counter() - t0) * 1000)
+    finally:
+        s.kill()
+    return {"create_plain": summary(plain), "create_20_rules": summary(ruled), "update_network": summary(up)}
+
+
 def measure(a, Sandbox, cube, stack):
     """Every selected measurement against the stack the E2B_* variables point at."""
     only = set(filter(None, a.only.split(",")))
@@ -217,6 +247,8 @@ def measure(a, Sandbox, cube, stack):
     if want("auto_resume") and a.auto_resumes > 0:
         R["auto_resume"] = bench_auto_resume(Sandbox, a.template, os.environ["E2B_SANDBOX_URL"], api_url, key,
                                              a.auto_resumes)
+    if want("egress") and a.egress_rounds > 0:
+        R["egress"] = bench_egress(Sandbox, a.template, a.egress_rounds)
     return R
 
 
@@ -250,6 +282,14 @@ def rows_of(R):
         c = R["auto_resume"]
         rows += [("first edge request to an auto-paused sandbox p50", c["p50_ms"], "ms", "<= 100"),
                  ("first edge request to an auto-paused sandbox max", c["max_ms"], "ms", "")]
+    if "egress" in R:
+        c = R["egress"]
+        d = c["create_20_rules"]["p50_ms"] - c["create_plain"]["p50_ms"]
+        rows += [("create p50, no egress rules", c["create_plain"]["p50_ms"], "ms", ""),
+                 ("create p50, 20 denyOut entries", c["create_20_rules"]["p50_ms"], "ms", ""),
+                 ("create p50 cost of 20 rules", d, "ms", "<= 1"),
+                 ("update_network p50 (20 entries)", c["update_network"]["p50_ms"], "ms", "<= 5"),
+                 ("update_network p95", c["update_network"]["p95_ms"], "ms", "")]
     return rows
 
 
@@ -264,8 +304,10 @@ def main():
     ap.add_argument("--edge-requests", type=int, default=500)
     ap.add_argument("--auto-resumes", type=int, default=10,
                     help="pause-at-timeout / resume-by-request rounds (0 skips them)")
+    ap.add_argument("--egress-rounds", type=int, default=40,
+                    help="creates with and without a 20-entry policy, and updates (0 skips them)")
     ap.add_argument("--only", default="",
-                    help="comma list of: create,create_run,throughput,list,edge,auto_resume")
+                    help="comma list of: create,create_run,throughput,list,edge,auto_resume,egress")
     ap.add_argument("--local-stack", action="store_true", help="start a private stack (tests/e2e fixture)")
     ap.add_argument("--runtime", default="",
                     help="with --local-stack: comma list of node runtimes (namespace,gvisor,microvm), each "

@@ -7,6 +7,7 @@ use http::{HeaderMap, HeaderValue};
 use hyper::body::Incoming;
 use serde::Deserialize;
 use std::collections::HashMap;
+use std::path::Path;
 use std::time::{Duration, SystemTime};
 
 /// Largest `/init` body accepted.
@@ -47,6 +48,9 @@ struct InitReq {
     /// Base64 bytes to mix into the kernel RNG (a restored snapshot shares its parent's state).
     #[serde(default)]
     entropy: Option<String>,
+    /// DNS servers for `/etc/resolv.conf` (Cube's, not envd's; absent = left alone).
+    #[serde(default)]
+    nameservers: Option<Vec<String>>,
 }
 
 pub async fn init(state: &Shared, headers: &HeaderMap, body: &mut Incoming) -> Resp {
@@ -106,6 +110,7 @@ pub async fn init(state: &Shared, headers: &HeaderMap, body: &mut Incoming) -> R
         default_workdir: req.default_workdir,
         timestamp: ts,
         entropy,
+        nameservers: req.nameservers.filter(|n| !n.is_empty()),
     };
     if let Err(e) = apply_init(state, upd) {
         return http_error(500, e);
@@ -123,6 +128,8 @@ pub struct InitUpdate {
     pub default_workdir: Option<String>,
     pub timestamp: Option<SystemTime>,
     pub entropy: Option<Vec<u8>>,
+    /// Written to `/etc/resolv.conf` (the sandbox's: the agent runs inside its root).
+    pub nameservers: Option<Vec<String>>,
 }
 
 /// Applies an init: session settings (unless older than the last applied one), the clock (as
@@ -158,12 +165,33 @@ pub fn apply_init(state: &Shared, upd: InitUpdate) -> Result<(), String> {
             }
         }
     }
+    if let Some(ns) = upd.nameservers {
+        write_resolv_conf(Path::new(RESOLV_CONF), &ns)?;
+    }
     if let Some(bytes) = upd.entropy {
         if let Err(e) = add_entropy(&bytes[..bytes.len().min(MAX_ENTROPY_BYTES)]) {
             tracing::warn!("could not add entropy: {e}");
         }
     }
     Ok(())
+}
+
+const RESOLV_CONF: &str = "/etc/resolv.conf";
+
+/// Replaces `path` with one `nameserver` line per address (atomically: a temporary file renamed
+/// over it, so a symlink the template had there is replaced, not followed).
+pub fn write_resolv_conf(path: &Path, nameservers: &[String]) -> Result<(), String> {
+    let mut text = String::from("# written by cube-agent at init\n");
+    for n in nameservers {
+        let ip: std::net::IpAddr = n
+            .parse()
+            .map_err(|_| format!("nameserver {n:?} is not an IP address"))?;
+        text.push_str(&format!("nameserver {ip}\n"));
+    }
+    let tmp = path.with_extension("cube-tmp");
+    std::fs::write(&tmp, text)
+        .and_then(|_| std::fs::rename(&tmp, path))
+        .map_err(|e| format!("writing {}: {e}", path.display()))
 }
 
 /// Sets the realtime clock when it drifted. Only as init: the same agent runs on developer hosts
@@ -312,4 +340,38 @@ pub async fn metrics(state: &Shared) -> Resp {
             "disk_total": disk_total,
         }),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resolv_conf_is_replaced_and_bad_addresses_refused() {
+        let d = std::env::temp_dir().join(format!("cube-agent-resolv-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        let target = d.join("elsewhere");
+        std::fs::write(&target, "nameserver 127.0.0.53\n").unwrap();
+        let p = d.join("resolv.conf");
+        let _ = std::fs::remove_file(&p);
+        std::os::unix::fs::symlink(&target, &p).unwrap();
+        write_resolv_conf(&p, &["203.0.113.53".into(), "2001:db8::53".into()]).unwrap();
+        let got = std::fs::read_to_string(&p).unwrap();
+        assert!(
+            got.contains("nameserver 203.0.113.53\nnameserver 2001:db8::53\n"),
+            "{got}"
+        );
+        // The link was replaced, not followed.
+        assert!(!std::fs::symlink_metadata(&p)
+            .unwrap()
+            .file_type()
+            .is_symlink());
+        assert_eq!(
+            std::fs::read_to_string(&target).unwrap(),
+            "nameserver 127.0.0.53\n"
+        );
+        let e = write_resolv_conf(&p, &["8.8.8.8\nsearch evil".into()]).unwrap_err();
+        assert!(e.contains("not an IP address"), "{e}");
+        std::fs::remove_dir_all(&d).unwrap();
+    }
 }

@@ -12,7 +12,8 @@
 //! where the template snapshot is taken.
 //!
 //! Payload: `"CUBI"`, version 1 (u32 LE), unix time in ns (u64 LE), 32 bytes of entropy,
-//! JSON length (u32 LE), JSON `{env_vars, access_token, default_user, default_workdir}`.
+//! JSON length (u32 LE), JSON `{env_vars, access_token, default_user, default_workdir,
+//! nameservers}` (`nameservers` may be absent: the same version-1 layout).
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -40,6 +41,8 @@ struct Body {
     default_user: String,
     #[serde(default)]
     default_workdir: String,
+    #[serde(default)]
+    nameservers: Vec<String>,
 }
 
 /// Decodes a payload into the update it asks for.
@@ -68,6 +71,7 @@ pub fn decode(b: &[u8]) -> Result<InitUpdate, String> {
         default_workdir: nonempty(body.default_workdir),
         timestamp: (clock_ns > 0).then(|| SystemTime::UNIX_EPOCH + Duration::from_nanos(clock_ns)),
         entropy: Some(b[16..48].to_vec()),
+        nameservers: (!body.nameservers.is_empty()).then_some(body.nameservers),
     })
 }
 

@@ -107,6 +107,24 @@ impl Fields {
         }
     }
 
+    /// A list of strings (absent or `null` = empty).
+    pub fn string_list(&mut self, key: &str) -> Result<Vec<String>, ApiError> {
+        let bad = |f: &Fields| {
+            ApiError::bad_request(format!("{} must be a list of strings", f.name(key)))
+        };
+        match self.take(key) {
+            None => Ok(Vec::new()),
+            Some(Value::Array(a)) => a
+                .into_iter()
+                .map(|v| match v {
+                    Value::String(s) => Ok(s),
+                    _ => Err(bad(self)),
+                })
+                .collect(),
+            Some(_) => Err(bad(self)),
+        }
+    }
+
     /// A `{string: string}` object.
     pub fn string_map(
         &mut self,

@@ -12,7 +12,7 @@ use axum::extract::{DefaultBodyLimit, MatchedPath, Path, Query, Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{delete, get, post};
+use axum::routing::{delete, get, post, put};
 use axum::{Extension, Json, Router};
 use cube_proto::master::v1 as pb;
 use serde_json::{json, Value};
@@ -63,6 +63,7 @@ pub fn router(state: AppState) -> Router {
         .route("/sandboxes/:id/timeout", post(set_timeout))
         .route("/sandboxes/:id/refreshes", post(refresh))
         .route("/sandboxes/:id/pause", post(pause))
+        .route("/sandboxes/:id/network", put(update_network))
         .route("/sandboxes/:id/resume", post(resume))
         .route("/sandboxes/:id/connect", post(connect))
         .route("/v2/sandboxes/:id/connect", post(connect))
@@ -308,6 +309,12 @@ fn detail_json(s: &pb::SandboxInfo, cfg: &ApiConfig) -> Value {
         );
         let mut network = serde_json::Map::new();
         network.insert("allowPublicTraffic".into(), json!(!s.private_ports));
+        if !s.allow_out.is_empty() {
+            network.insert("allowOut".into(), json!(s.allow_out));
+        }
+        if !s.deny_out.is_empty() {
+            network.insert("denyOut".into(), json!(s.deny_out));
+        }
         if !s.mask_request_host.is_empty() {
             network.insert("maskRequestHost".into(), json!(s.mask_request_host));
         }
@@ -360,6 +367,7 @@ fn create_request(
         }
     };
     let (mut private_ports, mut mask_request_host) = (false, String::new());
+    let mut egress = Egress::default();
     if let Some(mut n) = b.object("network")? {
         private_ports = n.bool("allowPublicTraffic")? == Some(false);
         if let Some(m) = n.string("maskRequestHost")? {
@@ -376,19 +384,8 @@ fn create_request(
             }
             mask_request_host = m;
         }
-        for k in [
-            "allowOut",
-            "denyOut",
-            "dnsServers",
-            "egressProxy",
-            "httpsPorts",
-            "rules",
-        ] {
-            n.unsupported(
-                k,
-                "egress policies are not implemented; use allow_internet_access",
-            )?;
-        }
+        egress = Egress::take(&mut n)?;
+        n.unsupported("httpsPorts", "the edge speaks plain HTTP to sandbox ports")?;
         n.finish()?;
     }
     b.unsupported("mcp", "no MCP gateway runs in Cube sandboxes")?;
@@ -407,7 +404,58 @@ fn create_request(
         idempotency_key: String::new(),
         private_ports,
         mask_request_host,
+        allow_out: egress.allow_out,
+        deny_out: egress.deny_out,
     })
+}
+
+/// The egress part of E2B's network config, as create and update network read it; the master
+/// checks the entries (egress.rs there).
+#[derive(Default)]
+struct Egress {
+    allow_out: Vec<String>,
+    deny_out: Vec<String>,
+}
+
+impl Egress {
+    fn take(n: &mut Fields) -> Result<Egress, ApiError> {
+        let e = Egress {
+            allow_out: n.string_list("allowOut")?,
+            deny_out: n.string_list("denyOut")?,
+        };
+        n.unsupported(
+            "dnsServers",
+            "domain names in allowOut are not implemented, so there is no DNS to open",
+        )?;
+        n.unsupported("egressProxy", "no egress proxy is implemented")?;
+        n.unsupported("rules", "per-domain transform rules are not implemented")?;
+        Ok(e)
+    }
+}
+
+/// `PUT /sandboxes/{id}/network`: replaces the sandbox's whole egress configuration; what the
+/// body omits is cleared (`allow_internet_access` then defaults to true, as at create): 204.
+async fn update_network(
+    State(st): State<AppState>,
+    Extension(team): Extension<Team>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    check_id(&id)?;
+    let mut b = Fields::parse(&body, true)?;
+    let egress = Egress::take(&mut b)?;
+    let allow_internet = b.bool("allow_internet_access")?.unwrap_or(true);
+    b.finish()?;
+    let mut m = st.master.clone();
+    m.update_network(pb::UpdateNetworkRequest {
+        team_id: team.0,
+        sandbox_id: id,
+        allow_internet,
+        allow_out: egress.allow_out,
+        deny_out: egress.deny_out,
+    })
+    .await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
 }
 
 async fn create(
@@ -788,14 +836,36 @@ mod tests {
         assert!(p.private_ports);
         assert_eq!(p.mask_request_host, "localhost:${PORT}");
         assert_eq!(r.timeout_s, 300);
+        // Egress lists go to the master as given (it checks the entries).
+        let e = req(r#"{"templateID":"base","network":{"allowOut":["1.1.1.1"],"denyOut":["0.0.0.0/0"],"dnsServers":[]}}"#).unwrap();
+        assert_eq!(
+            (e.allow_out, e.deny_out),
+            (vec!["1.1.1.1".to_string()], vec!["0.0.0.0/0".to_string()])
+        );
     }
 
     #[test]
     fn what_cube_does_not_implement_is_refused_by_name() {
         for (body, named) in [
             (
-                r#"{"templateID":"base","network":{"denyOut":["10.0.0.1/32"]}}"#,
-                "network.denyOut",
+                r#"{"templateID":"base","network":{"denyOut":"10.0.0.1/32"}}"#,
+                "network.denyOut must be a list of strings",
+            ),
+            (
+                r#"{"templateID":"base","network":{"allowOut":[1]}}"#,
+                "network.allowOut must be a list of strings",
+            ),
+            (
+                r#"{"templateID":"base","network":{"dnsServers":["1.1.1.1"]}}"#,
+                "network.dnsServers",
+            ),
+            (
+                r#"{"templateID":"base","network":{"egressProxy":{"address":"p:1080"}}}"#,
+                "network.egressProxy",
+            ),
+            (
+                r#"{"templateID":"base","network":{"rules":{"a.com":[]}}}"#,
+                "network.rules",
             ),
             (
                 r#"{"templateID":"base","network":{"maskRequestHost":"a\r\nb"}}"#,

@@ -121,11 +121,12 @@ impl Vmm {
         if pvm {
             crate::arch::restrict_pv_features(&mut cpuid);
         }
-        // Guest user mode on PVM runs natively, with the host's XCR0; elsewhere the guest gets
-        // only what the CPUID table's leaf 0xD offers.
+        // Guest user mode on PVM runs natively, with the host's XCR0 (less what the kernel
+        // withholds from this process: AMX); elsewhere the guest gets only what the CPUID
+        // table's leaf 0xD offers.
         let xsave = XsaveLayout::of(&cpuid);
         let usable = if pvm {
-            xstate::host_xcr0()
+            xstate::user_usable_xfeatures()
         } else {
             xsave.features
         };

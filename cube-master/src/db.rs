@@ -65,6 +65,9 @@ pub struct SandboxRow {
     pub private_ports: i64,
     /// The Host header the edge sends (`${PORT}` replaced); empty = the client's.
     pub mask_request_host: String,
+    /// E2B's allowOut / denyOut, checked ([`crate::egress::Rules::encode`]).
+    pub allow_out: String,
+    pub deny_out: String,
 }
 
 impl SandboxRow {
@@ -81,6 +84,13 @@ impl SandboxRow {
             0 => Some(false),
             1 => Some(true),
             _ => None,
+        }
+    }
+
+    pub fn egress(&self) -> crate::egress::Rules {
+        crate::egress::Rules {
+            allow_out: crate::egress::Rules::decode(&self.allow_out),
+            deny_out: crate::egress::Rules::decode(&self.deny_out),
         }
     }
 }
@@ -227,9 +237,10 @@ impl Db {
             "INSERT INTO sandboxes (id, team_id, template, build, state, reason, node_id, \
              agent_address, host_interface, access_token, envd_version, metadata, vcpus, \
              memory_mib, disk_mib, runtime, started_at_ms, end_at_ms, updated_at_ms, auto_pause, \
-             auto_resume, timeout_s, internet, private_ports, mask_request_host) \
+             auto_resume, timeout_s, internet, private_ports, mask_request_host, allow_out, \
+             deny_out) \
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, \
-             $20, $21, $22, $23, $24, $25)",
+             $20, $21, $22, $23, $24, $25, $26, $27)",
         )
         .bind(&r.id)
         .bind(&r.team_id)
@@ -256,6 +267,8 @@ impl Db {
         .bind(r.internet)
         .bind(r.private_ports)
         .bind(&r.mask_request_host)
+        .bind(&r.allow_out)
+        .bind(&r.deny_out)
         .execute(&self.pool)
         .await?;
         Ok(())
@@ -422,6 +435,27 @@ impl Db {
             .bind(id)
             .execute(&self.pool)
             .await?;
+        Ok(())
+    }
+
+    /// A sandbox's egress configuration (PUT /sandboxes/{id}/network).
+    pub async fn set_egress(
+        &self,
+        id: &str,
+        internet: bool,
+        rules: &crate::egress::Rules,
+    ) -> Result<(), MasterError> {
+        sqlx::query(
+            "UPDATE sandboxes SET internet = $1, allow_out = $2, deny_out = $3, updated_at_ms = $4 \
+             WHERE id = $5",
+        )
+        .bind(i64::from(internet))
+        .bind(crate::egress::Rules::encode(&rules.allow_out))
+        .bind(crate::egress::Rules::encode(&rules.deny_out))
+        .bind(crate::now_ms())
+        .bind(id)
+        .execute(&self.pool)
+        .await?;
         Ok(())
     }
 

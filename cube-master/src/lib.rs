@@ -7,6 +7,7 @@ pub mod apikey;
 pub mod catalog;
 pub mod config;
 pub mod db;
+pub mod egress;
 pub mod error;
 pub mod lifecycle;
 pub mod metrics;

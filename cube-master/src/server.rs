@@ -48,6 +48,8 @@ pub fn to_info(ctl: &Controller, r: &SandboxRow) -> pb::SandboxInfo {
         timeout_s: r.timeout_s.max(0) as u64,
         private_ports: r.private_ports == 1,
         mask_request_host: r.mask_request_host.clone(),
+        allow_out: crate::egress::Rules::decode(&r.allow_out),
+        deny_out: crate::egress::Rules::decode(&r.deny_out),
     }
 }
 
@@ -70,6 +72,7 @@ impl Master for MasterService {
     ) -> Result<Response<pb::SandboxInfo>, Status> {
         let r = req.into_inner();
         let started = std::time::Instant::now();
+        let egress = crate::egress::Rules::parse(&r.allow_out, &r.deny_out)?;
         let res = self
             .ctl
             .create(CreateParams {
@@ -84,6 +87,7 @@ impl Master for MasterService {
                 idempotency_key: r.idempotency_key,
                 private_ports: r.private_ports,
                 mask_request_host: r.mask_request_host,
+                egress,
             })
             .await;
         let m = &self.ctl.metrics;
@@ -161,6 +165,19 @@ impl Master for MasterService {
         let row = self
             .ctl
             .set_timeout(&r.team_id, &r.sandbox_id, r.timeout_s, r.extend_only)
+            .await?;
+        Ok(Response::new(to_info(&self.ctl, &row)))
+    }
+
+    async fn update_network(
+        &self,
+        req: Request<pb::UpdateNetworkRequest>,
+    ) -> Result<Response<pb::SandboxInfo>, Status> {
+        let r = req.into_inner();
+        let rules = crate::egress::Rules::parse(&r.allow_out, &r.deny_out)?;
+        let row = self
+            .ctl
+            .update_network(&r.team_id, &r.sandbox_id, r.allow_internet, rules)
             .await?;
         Ok(Response::new(to_info(&self.ctl, &row)))
     }

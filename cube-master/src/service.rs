@@ -35,6 +35,8 @@ pub struct CreateParams {
     pub private_ports: bool,
     /// The Host header the edge sends the sandbox (`${PORT}` replaced); empty = the client's.
     pub mask_request_host: String,
+    /// E2B's allowOut / denyOut, checked.
+    pub egress: crate::egress::Rules,
 }
 
 impl CreateParams {
@@ -66,6 +68,12 @@ impl CreateParams {
             u8::from(self.private_ports),
         ]);
         field(self.mask_request_host.as_bytes());
+        for l in [&self.egress.allow_out, &self.egress.deny_out] {
+            field(&(l.len() as u64).to_le_bytes());
+            for e in l {
+                field(e.as_bytes());
+            }
+        }
         hex::encode(h.finalize())
     }
 }
@@ -378,6 +386,8 @@ impl Controller {
             internet: i64::from(p.allow_internet.unwrap_or(true)),
             private_ports: i64::from(p.private_ports),
             mask_request_host: p.mask_request_host.clone(),
+            allow_out: crate::egress::Rules::encode(&p.egress.allow_out),
+            deny_out: crate::egress::Rules::encode(&p.egress.deny_out),
         };
         row.access_token = crate::token::stored(&self.tokens.token(&row.id));
         let lock = self.lock_for(&row.id);
@@ -477,12 +487,18 @@ impl Controller {
             }),
             env_vars: p.env_vars.clone().into_iter().collect(),
             metadata: p.metadata.clone().into_iter().collect(),
-            network: Some(node::NetworkPolicy {
-                internet: p.allow_internet.unwrap_or(true),
-                // Any port the sandbox listens on is reachable through the edge (E2B's public
-                // ports); the edge decides who may use them (allowPublicTraffic).
-                all_ports: true,
-                ..Default::default()
+            network: Some({
+                let (internet, allow_cidrs, deny_cidrs) =
+                    crate::egress::node_policy(p.allow_internet.unwrap_or(true), &p.egress);
+                node::NetworkPolicy {
+                    internet,
+                    allow_cidrs,
+                    deny_cidrs,
+                    // Any port the sandbox listens on is reachable through the edge (E2B's public
+                    // ports); the edge decides who may use them (allowPublicTraffic).
+                    all_ports: true,
+                    ..Default::default()
+                }
             }),
             access_token: self.access_token(row),
             default_user: String::new(),
@@ -660,6 +676,45 @@ impl Controller {
         row.end_at_ms = end;
         self.db.set_end(id, row.end_at_ms).await?;
         Ok(row)
+    }
+
+    /// Replaces a running or paused sandbox's egress configuration (E2B's update network):
+    /// the node's switch first, then the record, so the record never claims rules the node
+    /// did not take.
+    pub async fn update_network(
+        &self,
+        team: &str,
+        id: &str,
+        internet: bool,
+        rules: crate::egress::Rules,
+    ) -> Result<SandboxRow, MasterError> {
+        let lock = self.lock_for(id);
+        let _g = lock.lock().await;
+        let row = self.visible(team, id).await?;
+        match row.state()? {
+            SandboxState::Running | SandboxState::Paused => {}
+            s => {
+                return Err(MasterError::FailedPrecondition(format!(
+                    "Sandbox \"{id}\" cannot change its network while {s}"
+                )))
+            }
+        }
+        let (on, allow_cidrs, deny_cidrs) = crate::egress::node_policy(internet, &rules);
+        let n = self.node_of(&row)?;
+        let mut c = n.client.clone();
+        c.set_egress(node::SetEgressRequest {
+            sandbox_id: id.to_string(),
+            internet: on,
+            allow_cidrs,
+            deny_cidrs,
+        })
+        .await
+        .map_err(|s| MasterError::Node {
+            node: n.address.clone(),
+            status: Box::new(s),
+        })?;
+        self.db.set_egress(id, internet, &rules).await?;
+        self.visible(team, id).await
     }
 
     /// When a sandbox paused now is killed (`paused_retention_s` from now).

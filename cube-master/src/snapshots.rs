@@ -424,6 +424,7 @@ impl Snapshots<'_> {
                 idempotency_key: String::new(),
                 private_ports: src.private_ports == 1,
                 mask_request_host: src.mask_request_host.clone(),
+                egress: src.egress(),
             })
         });
         let results = futures_util::future::join_all(creates).await;

@@ -37,6 +37,8 @@ fn row(id: &str) -> SandboxRow {
         internet: 1,
         private_ports: 0,
         mask_request_host: String::new(),
+        allow_out: String::new(),
+        deny_out: String::new(),
     }
 }
 
@@ -230,12 +232,28 @@ async fn idempotency_keys_claim_once_per_team(url: String) {
     r.internet = 0;
     r.private_ports = 1;
     r.mask_request_host = "localhost:${PORT}".into();
+    r.allow_out = "1.1.1.1/32,8.8.0.0/16".into();
+    r.deny_out = "0.0.0.0/0".into();
     db.insert_sandbox(&r).await.unwrap();
     let got = db.get_sandbox("lc").await.unwrap().unwrap();
     assert_eq!((got.auto_pause, got.auto_resume, got.timeout_s), (1, 1, 42));
     assert_eq!(got.internet(), Some(false));
     assert_eq!(got.private_ports, 1);
     assert_eq!(got.mask_request_host, "localhost:${PORT}");
+    assert_eq!(got.egress().allow_out, ["1.1.1.1/32", "8.8.0.0/16"]);
+    // The update replaces internet and both lists.
+    db.set_egress("lc", true, &Default::default())
+        .await
+        .unwrap();
+    let got = db.get_sandbox("lc").await.unwrap().unwrap();
+    assert_eq!(
+        (
+            got.internet(),
+            got.allow_out.as_str(),
+            got.deny_out.as_str()
+        ),
+        (Some(true), "", "")
+    );
 }
 both_backends!(idempotency, super::idempotency_keys_claim_once_per_team);
 

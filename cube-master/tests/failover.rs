@@ -120,6 +120,9 @@ impl Node for Handle {
             ..Default::default()
         }))
     }
+    async fn set_egress(&self, _r: Request<pb::SetEgressRequest>) -> R<pb::Sandbox> {
+        Err(Status::unimplemented("fake"))
+    }
 }
 
 async fn serve(n: Arc<FakeNode>) -> String {

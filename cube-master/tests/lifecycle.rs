@@ -172,3 +172,80 @@ async fn idempotent_creates(url: String) {
     assert!(e.to_string().contains("killed"), "{e}");
 }
 both_backends!(idempotency, super::idempotent_creates);
+
+/// E2B egress rules: the node's switch gets them with E2B's precedence compiled in, the
+/// update replaces all of them (on a running and on a paused sandbox), a fork keeps them, and
+/// the record only changes when the node took the new rules.
+async fn egress_rules(url: String) {
+    let node = FakeNode::new("eg");
+    let ctl = controller_on(&url, &node).await;
+    let v = |s: &[&str]| s.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    let rules = cube_master::egress::Rules::parse(
+        &v(&["1.1.1.1", "8.8.0.0/16"]),
+        &v(&["0.0.0.0/0", "8.8.8.8"]),
+    )
+    .unwrap();
+    let row = ctl
+        .create(CreateParams {
+            egress: rules.clone(),
+            ..params(600)
+        })
+        .await
+        .unwrap();
+    assert_eq!(row.egress(), rules);
+    assert_eq!(
+        node.egress.lock().unwrap()[&row.id],
+        (false, v(&["1.1.1.1/32", "8.8.0.0/16"]), v(&[])),
+        "deny-all is the switch's internet off; an allow covering a deny wins"
+    );
+    // Replace everything: omitted lists are cleared.
+    let deny = cube_master::egress::Rules::parse(&[], &v(&["9.9.9.9"])).unwrap();
+    let up = ctl
+        .update_network("t", &row.id, true, deny.clone())
+        .await
+        .unwrap();
+    assert_eq!((up.egress(), up.internet()), (deny.clone(), Some(true)));
+    assert_eq!(
+        node.egress.lock().unwrap()[&row.id],
+        (true, v(&[]), v(&["9.9.9.9/32"]))
+    );
+    // Another team's sandbox is not found; a paused one takes the update too.
+    let e = ctl
+        .update_network("other", &row.id, true, Default::default())
+        .await
+        .unwrap_err();
+    assert!(matches!(e, MasterError::NotFound(_)), "{e:?}");
+    ctl.pause("t", &row.id).await.unwrap();
+    ctl.update_network("t", &row.id, false, Default::default())
+        .await
+        .unwrap();
+    assert_eq!(
+        node.egress.lock().unwrap()[&row.id],
+        (false, v(&[]), v(&[]))
+    );
+    let got = ctl.get("t", &row.id).await.unwrap();
+    assert_eq!(
+        (got.internet(), got.egress()),
+        (Some(false), Default::default())
+    );
+    // A node that refuses the rules leaves the record as it was.
+    node.sandboxes.lock().unwrap().remove(&row.id);
+    assert!(ctl
+        .update_network("t", &row.id, true, deny.clone())
+        .await
+        .is_err());
+    let got = ctl.get("t", &row.id).await.unwrap();
+    assert_eq!(
+        (got.internet(), got.egress()),
+        (Some(false), Default::default())
+    );
+    // Killed: no more updates.
+    let other = ctl.create(params(600)).await.unwrap();
+    ctl.kill("t", &other.id, "test").await.unwrap();
+    assert!(ctl
+        .update_network("t", &other.id, true, deny)
+        .await
+        .is_err());
+}
+
+both_backends!(egress, super::egress_rules);

@@ -28,6 +28,9 @@
 #define ACT_ALLOW 1
 #define ACT_DENY 2
 
+#define RULE_EXPLICIT 1     // from the policy, not a built-in default
+#define RULE_HOST_SERVICE 2 // a /32 the operator opened on the node itself
+
 // From linux/icmp.h, which drags in glibc headers that do not exist for -target bpf.
 #define ICMP_ECHOREPLY 0
 #define ICMP_DEST_UNREACH 3
@@ -54,18 +57,23 @@ struct port {
 	__u32 host_ip;  // network order; 0 while unbound
 	__u32 resolver; // network order; 0 = no DNS at all
 	__u32 flags;
-	__u32 pad;
+	__u32 policy_gen; // 0 or 1: which half of cvs_policy holds this port's rules (see below)
 };
 
+// A port's rules live under ifindex | policy_gen << 31. A replacement is written under the
+// other generation, then one update of the port flips policy_gen: a packet sees the old rules
+// or the new ones, never a mix.
 struct policy_key {
-	__u32 prefixlen; // 32 (ifindex) + CIDR length
+	__u32 prefixlen; // 32 (ifindex and generation) + CIDR length
 	__u32 ifindex;
 	__u32 addr; // network order
 };
 
+#define POLICY_GEN_BIT 0x80000000u
+
 struct policy_val {
 	__u8 action;
-	__u8 explicit_; // set by the user (not a built-in default)
+	__u8 explicit_; // RULE_* bits
 	__u8 plen;      // CIDR length of this entry
 	__u8 pad;
 };
@@ -338,13 +346,15 @@ static __always_inline int egress_allowed(struct __sk_buff *skb, const struct cf
 	    l4->dport == bpf_htons(53))
 		return (p->flags & PORT_INTERNET) && p->resolver != 0 && daddr == p->resolver;
 
-	struct policy_key k = { .prefixlen = 64, .ifindex = ifindex, .addr = daddr };
+	struct policy_key k = { .prefixlen = 64,
+				.ifindex = ifindex | (p->policy_gen ? POLICY_GEN_BIT : 0),
+				.addr = daddr };
 	struct policy_val *v = bpf_map_lookup_elem(&cvs_policy, &k);
 	if (!v || v->action != ACT_ALLOW)
 		return 0;
 
 	// Anything the node itself would receive (its own addresses, local/broadcast routes) is a
-	// host service: only an explicit /32 allow opens it.
+	// host service: only a host-service /32 opens it, never an allow entry, however specific.
 	struct bpf_fib_lookup fib = {};
 	fib.family = 2; // AF_INET
 	fib.l4_protocol = l4->proto;
@@ -361,7 +371,7 @@ static __always_inline int egress_allowed(struct __sk_buff *skb, const struct cf
 	    rc == BPF_FIB_LKUP_RET_PROHIBIT)
 		return 0;
 	// NOT_FWDED (local), FWD_DISABLED (cannot tell; only local delivery is possible), errors.
-	return v->explicit_ && v->plen == 32;
+	return (v->explicit_ & RULE_HOST_SERVICE) && v->plen == 32;
 }
 
 SEC("classifier")

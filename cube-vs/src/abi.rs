@@ -12,6 +12,14 @@ pub(crate) const PORT_INTERNET: u32 = 2;
 /// Userspace-only flag: the port was attached with TCX links (not read by the programs).
 pub(crate) const PORT_TCX: u32 = 4;
 
+/// Set in a policy key's `ifindex` word for generation 1: a replacement is written under the
+/// generation the port does not use, then the port flips, so the switch is never half-updated.
+pub(crate) const POLICY_GEN_BIT: u32 = 0x8000_0000;
+
+/// `PolicyVal::explicit` bits.
+pub(crate) const RULE_EXPLICIT: u8 = 1;
+pub(crate) const RULE_HOST_SERVICE: u8 = 2;
+
 pub(crate) const ACT_ALLOW: u8 = 1;
 pub(crate) const ACT_DENY: u8 = 2;
 
@@ -53,7 +61,8 @@ pub(crate) struct PortVal {
     pub host_ip: u32,
     pub resolver: u32,
     pub flags: u32,
-    pub pad: u32,
+    /// 0 or 1: the half of the policy map this port's rules live in (see [`POLICY_GEN_BIT`]).
+    pub policy_gen: u32,
 }
 // SAFETY: repr(C), plain integers, no padding.
 unsafe impl Pod for PortVal {}
@@ -71,6 +80,7 @@ unsafe impl Pod for PolicyKeyData {}
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct PolicyVal {
     pub action: u8,
+    /// `RULE_*` bits.
     pub explicit: u8,
     pub plen: u8,
     pub pad: u8,

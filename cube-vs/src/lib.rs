@@ -90,7 +90,7 @@ pub use config::{
     AttachMode, GuestNetwork, Ipv4Cidr, MacAddr, SwitchConfig, DEFAULT_FLOW_QUOTA, FLOW_QUOTA_RANGE,
 };
 pub use error::{Error, Result};
-pub use policy::{EgressPolicy, ALWAYS_DENIED};
+pub use policy::{reserved_range_of, EgressPolicy, ALWAYS_DENIED};
 pub use pool::AddrPool;
 pub use switch::{
     datapath_built, Counters, DirCounters, Port, PortInfo, SandboxNet, Switch, ANY_PORT,

@@ -10,7 +10,7 @@ use crate::config::Ipv4Cidr;
 /// Ranges a sandbox can never reach unless the policy allows them explicitly: private and
 /// shared address space, link-local (cloud metadata `169.254.169.254` included), loopback and
 /// non-unicast. The node's own addresses (any destination the node would deliver locally) are
-/// also denied by the datapath itself unless an explicit `/32` allow names them.
+/// also denied by the datapath itself unless a [`EgressPolicy::host_services`] entry names them.
 pub const ALWAYS_DENIED: &[(Ipv4Addr, u8)] = &[
     (Ipv4Addr::new(0, 0, 0, 0), 8),
     (Ipv4Addr::new(10, 0, 0, 0), 8),
@@ -34,8 +34,12 @@ pub const ALWAYS_DENIED: &[(Ipv4Addr, u8)] = &[
 /// 3. otherwise the longest matching prefix among `allow`, `deny`, [`ALWAYS_DENIED`] and the
 ///    default route (`internet` on = allow, off = deny) decides; for the same prefix, `deny`
 ///    beats `allow`, and an explicit entry beats a built-in one;
-/// 4. a destination the node itself would receive is dropped unless the winning entry is an
-///    explicit `/32` allow.
+/// 4. a destination the node itself would receive is dropped unless the winning entry is a
+///    [`EgressPolicy::host_services`] `/32`: an `allow` entry never opens the node itself, so
+///    user-supplied allow lists cannot reach node-local services.
+///
+/// A replacement ([`crate::Switch::set_policy`]) is atomic: the datapath sees the old rules or
+/// the new ones, never a mix.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct EgressPolicy {
@@ -47,6 +51,18 @@ pub struct EgressPolicy {
     pub deny: Vec<Ipv4Cidr>,
     /// The only DNS server the guest may query (when internet is on).
     pub dns_resolver: Option<Ipv4Addr>,
+    /// Addresses of the node itself the sandbox may reach (an operator's choice; a `deny`
+    /// entry still wins).
+    pub host_services: Vec<Ipv4Addr>,
+}
+
+/// The [`ALWAYS_DENIED`] range that contains `c` (or equals it): an explicit allow of `c` would
+/// override the built-in deny, so callers that take allow entries from users refuse those.
+pub fn reserved_range_of(c: &Ipv4Cidr) -> Option<Ipv4Cidr> {
+    ALWAYS_DENIED.iter().find_map(|&(a, l)| {
+        let r = Ipv4Cidr::new(a, l).expect("valid");
+        (r.prefix_len() <= c.prefix_len() && r.contains(c.addr())).then_some(r)
+    })
 }
 
 impl Default for EgressPolicy {
@@ -56,6 +72,7 @@ impl Default for EgressPolicy {
             allow: Vec::new(),
             deny: Vec::new(),
             dns_resolver: None,
+            host_services: Vec::new(),
         }
     }
 }
@@ -65,6 +82,8 @@ impl Default for EgressPolicy {
 pub(crate) struct Rule {
     pub allow: bool,
     pub explicit: bool,
+    /// Opens a node-local destination (a host-service /32).
+    pub host_service: bool,
 }
 
 impl EgressPolicy {
@@ -77,6 +96,7 @@ impl EgressPolicy {
             Rule {
                 allow: self.internet,
                 explicit: false,
+                host_service: false,
             },
         );
         for &(a, l) in ALWAYS_DENIED {
@@ -85,6 +105,7 @@ impl EgressPolicy {
                 Rule {
                     allow: false,
                     explicit: false,
+                    host_service: false,
                 },
             );
         }
@@ -94,6 +115,17 @@ impl EgressPolicy {
                 Rule {
                     allow: true,
                     explicit: true,
+                    host_service: false,
+                },
+            );
+        }
+        for a in &self.host_services {
+            out.insert(
+                Ipv4Cidr::new(*a, 32).expect("valid"),
+                Rule {
+                    allow: true,
+                    explicit: true,
+                    host_service: true,
                 },
             );
         }
@@ -103,6 +135,7 @@ impl EgressPolicy {
                 Rule {
                     allow: false,
                     explicit: true,
+                    host_service: false,
                 },
             );
         }
@@ -131,8 +164,13 @@ mod tests {
                 "10.1.0.0/16".parse().unwrap(),
                 "8.8.0.0/16".parse().unwrap(),
             ],
-            deny: vec!["8.0.0.0/8".parse().unwrap(), "8.8.0.0/16".parse().unwrap()],
+            deny: vec![
+                "8.0.0.0/8".parse().unwrap(),
+                "8.8.0.0/16".parse().unwrap(),
+                "8.8.4.4/32".parse().unwrap(),
+            ],
             dns_resolver: None,
+            host_services: vec!["198.18.0.1".parse().unwrap(), "8.8.4.4".parse().unwrap()],
         };
         let r = p.compile();
         assert!(lookup(&r, "1.1.1.1".parse().unwrap()).allow);
@@ -143,6 +181,24 @@ mod tests {
         // Same prefix in both lists: deny wins.
         assert!(!lookup(&r, "8.8.8.8".parse().unwrap()).allow);
         assert!(!lookup(&r, "169.254.169.254".parse().unwrap()).allow);
+        // Only host-service entries open the node; a deny still beats one.
+        assert!(lookup(&r, "198.18.0.1".parse().unwrap()).host_service);
+        assert!(!lookup(&r, "10.1.2.3".parse().unwrap()).host_service);
+        assert!(!lookup(&r, "8.8.4.4".parse().unwrap()).allow);
+    }
+
+    #[test]
+    fn reserved_ranges_of_user_entries() {
+        let r = |s: &str| reserved_range_of(&s.parse().unwrap()).map(|c| c.to_string());
+        assert_eq!(r("10.1.2.3").as_deref(), Some("10.0.0.0/8"));
+        assert_eq!(r("10.0.0.0/8").as_deref(), Some("10.0.0.0/8"));
+        assert_eq!(r("169.254.169.254").as_deref(), Some("169.254.0.0/16"));
+        assert_eq!(r("172.20.0.0/16").as_deref(), Some("172.16.0.0/12"));
+        assert_eq!(r("0.0.0.0/8").as_deref(), Some("0.0.0.0/8"));
+        // Broader than a reserved range: the built-in (longer) prefix still wins there.
+        assert_eq!(r("0.0.0.0/0"), None);
+        assert_eq!(r("8.0.0.0/7"), None);
+        assert_eq!(r("198.51.100.7"), None);
     }
 
     #[test]

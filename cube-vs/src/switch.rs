@@ -105,7 +105,9 @@ pub struct PortInfo {
 struct PortState {
     ifname: String,
     val: PortVal,
-    policy_keys: BTreeSet<(u32, u32)>, // (CIDR length, addr in map order)
+    /// Every policy key of this port, either generation: (ifindex word, CIDR length, addr in
+    /// map order).
+    policy_keys: BTreeSet<(u32, u32, u32)>,
     exposed: BTreeSet<u16>,
 }
 
@@ -175,6 +177,16 @@ fn take<V: TryFrom<aya::maps::Map, Error = aya::maps::MapError>>(
         },
     })?;
     V::try_from(m).map_err(map_err(name))
+}
+
+fn policy_key(word: u32, len: u32, addr: u32) -> Key<PolicyKeyData> {
+    Key::new(
+        32 + len,
+        PolicyKeyData {
+            ifindex: word,
+            addr,
+        },
+    )
 }
 
 fn is_not_found(e: &aya::maps::MapError) -> bool {
@@ -302,8 +314,11 @@ impl Switch {
         for item in self.policy.keys() {
             let k = item.map_err(map_err(MAP_POLICY))?;
             let d = k.data();
-            if let Some(s) = state.get_mut(&d.ifindex) {
-                s.policy_keys.insert((k.prefix_len() - 32, d.addr));
+            // Keys of the generation a port does not use are leftovers of an interrupted
+            // update; the port's next policy write removes them.
+            if let Some(s) = state.get_mut(&(d.ifindex & !POLICY_GEN_BIT)) {
+                s.policy_keys
+                    .insert((d.ifindex, k.prefix_len() - 32, d.addr));
             }
         }
         for item in self.exposed.keys() {
@@ -563,7 +578,7 @@ impl Switch {
         if old.flags & PORT_BOUND != 0 && old.host_ip != ip_be(addr) {
             self.unbind(port)?;
         }
-        self.write_policy(port.ifindex, &net.policy)?;
+        let gen = self.stage_policy(port.ifindex, &net.policy)?;
         self.write_exposed(port.ifindex, &net.exposed_ports)?;
         // Flows of a previous sandbox were dropped by its unbind (a fresh table).
         self.stats
@@ -581,7 +596,7 @@ impl Switch {
                 } else {
                     0
                 },
-            pad: 0,
+            policy_gen: gen,
         };
         self.ports
             .insert(port.ifindex, val, 0)
@@ -590,19 +605,21 @@ impl Switch {
             s.val = val;
         }
         self.by_addr.insert(addr, port.ifindex);
-        Ok(())
+        self.prune_policy(port.ifindex)
     }
 
-    /// Replaces the egress policy of a bound sandbox at run time.
+    /// Replaces the egress policy of a bound sandbox at run time, atomically: the new rules
+    /// are written beside the old ones and one port update switches to them.
     pub fn set_policy(&mut self, port: &Port, policy: &EgressPolicy) -> Result<()> {
         let old = self.port_state(port)?.val;
         if old.flags & PORT_BOUND == 0 {
             return Err(Error::NotBound(port.ifindex));
         }
-        self.write_policy(port.ifindex, policy)?;
+        let gen = self.stage_policy(port.ifindex, policy)?;
         let val = PortVal {
             resolver: policy.dns_resolver.map(ip_be).unwrap_or(0),
             flags: (old.flags & !PORT_INTERNET) | if policy.internet { PORT_INTERNET } else { 0 },
+            policy_gen: gen,
             ..old
         };
         self.ports
@@ -611,7 +628,7 @@ impl Switch {
         if let Some(s) = self.state.get_mut(&port.ifindex) {
             s.val = val;
         }
-        Ok(())
+        self.prune_policy(port.ifindex)
     }
 
     /// Replaces the set of exposed guest ports of a bound sandbox.
@@ -622,48 +639,103 @@ impl Switch {
         self.write_exposed(port.ifindex, ports)
     }
 
-    /// Writes the new entries first, then removes stale ones, so that an update never opens a
-    /// window with no entry (which would drop, not pass).
-    fn write_policy(&mut self, ifindex: u32, policy: &EgressPolicy) -> Result<()> {
+    /// Writes `policy` under the generation the port does not use (packets do not see it yet)
+    /// and returns that generation, for the caller to switch the port to.
+    fn stage_policy(&mut self, ifindex: u32, policy: &EgressPolicy) -> Result<u32> {
         let rules = policy.compile();
         if rules.len() > MAX_POLICY_ENTRIES {
             return Err(Error::PolicyTooLarge(rules.len(), MAX_POLICY_ENTRIES));
         }
-        let mut new_keys = BTreeSet::new();
+        let gen = self
+            .state
+            .get(&ifindex)
+            .map(|s| s.val.policy_gen ^ 1)
+            .unwrap_or(0);
+        let word = ifindex | if gen == 1 { POLICY_GEN_BIT } else { 0 };
+        let mut staged = BTreeSet::new();
         for (cidr, rule) in &rules {
             let addr = ip_be(cidr.addr());
-            let key = Key::new(
-                32 + u32::from(cidr.prefix_len()),
-                PolicyKeyData { ifindex, addr },
-            );
+            let len = u32::from(cidr.prefix_len());
             let val = PolicyVal {
                 action: if rule.allow { ACT_ALLOW } else { ACT_DENY },
-                explicit: rule.explicit as u8,
+                explicit: if rule.explicit { RULE_EXPLICIT } else { 0 }
+                    | if rule.host_service {
+                        RULE_HOST_SERVICE
+                    } else {
+                        0
+                    },
                 plen: cidr.prefix_len(),
                 pad: 0,
             };
             self.policy
-                .insert(&key, val, 0)
+                .insert(&policy_key(word, len, addr), val, 0)
                 .map_err(map_err(MAP_POLICY))?;
-            new_keys.insert((u32::from(cidr.prefix_len()), addr));
+            staged.insert((word, len, addr));
         }
-        let old = self
+        // Leftovers of an interrupted update in this generation that the new policy lacks.
+        let left: Vec<_> = self
             .state
             .get(&ifindex)
-            .map(|s| s.policy_keys.clone())
+            .map(|s| {
+                s.policy_keys
+                    .iter()
+                    .filter(|k| k.0 == word && !staged.contains(k))
+                    .copied()
+                    .collect()
+            })
             .unwrap_or_default();
-        for &(len, addr) in old.difference(&new_keys) {
-            let key = Key::new(32 + len, PolicyKeyData { ifindex, addr });
-            match self.policy.remove(&key) {
+        self.remove_policy_keys(ifindex, &left)?;
+        if let Some(s) = self.state.get_mut(&ifindex) {
+            s.policy_keys.extend(staged);
+        }
+        Ok(gen)
+    }
+
+    /// Removes the keys of the generation the port no longer uses (after it switched).
+    fn prune_policy(&mut self, ifindex: u32) -> Result<()> {
+        let Some(s) = self.state.get(&ifindex) else {
+            return Ok(());
+        };
+        let live = ifindex
+            | if s.val.policy_gen == 1 {
+                POLICY_GEN_BIT
+            } else {
+                0
+            };
+        let old: Vec<_> = s
+            .policy_keys
+            .iter()
+            .filter(|k| k.0 != live)
+            .copied()
+            .collect();
+        self.remove_policy_keys(ifindex, &old)
+    }
+
+    fn remove_policy_keys(&mut self, ifindex: u32, keys: &[(u32, u32, u32)]) -> Result<()> {
+        for &(word, len, addr) in keys {
+            match self.policy.remove(&policy_key(word, len, addr)) {
                 Ok(()) => {}
                 Err(e) if is_not_found(&e) => {}
                 Err(e) => return Err(map_err(MAP_POLICY)(e)),
             }
-        }
-        if let Some(s) = self.state.get_mut(&ifindex) {
-            s.policy_keys = new_keys;
+            if let Some(s) = self.state.get_mut(&ifindex) {
+                s.policy_keys.remove(&(word, len, addr));
+            }
         }
         Ok(())
+    }
+
+    /// Entries in the policy map for this port, both generations (for tests and diagnostics).
+    pub fn policy_entries(&self, port: &Port) -> Result<usize> {
+        self.port_state(port)?;
+        let mut n = 0;
+        for item in self.policy.keys() {
+            let k = item.map_err(map_err(MAP_POLICY))?;
+            if k.data().ifindex & !POLICY_GEN_BIT == port.ifindex {
+                n += 1;
+            }
+        }
+        Ok(n)
     }
 
     fn write_exposed(&mut self, ifindex: u32, ports: &[u16]) -> Result<()> {
@@ -760,23 +832,12 @@ impl Switch {
     }
 
     fn clear_policy(&mut self, ifindex: u32) -> Result<()> {
-        let keys = self
+        let keys: Vec<_> = self
             .state
             .get(&ifindex)
-            .map(|s| s.policy_keys.clone())
+            .map(|s| s.policy_keys.iter().copied().collect())
             .unwrap_or_default();
-        for (len, addr) in keys {
-            let key = Key::new(32 + len, PolicyKeyData { ifindex, addr });
-            match self.policy.remove(&key) {
-                Ok(()) => {}
-                Err(e) if is_not_found(&e) => {}
-                Err(e) => return Err(map_err(MAP_POLICY)(e)),
-            }
-        }
-        if let Some(s) = self.state.get_mut(&ifindex) {
-            s.policy_keys.clear();
-        }
-        Ok(())
+        self.remove_policy_keys(ifindex, &keys)
     }
 
     /// Removes the programs from an interface and forgets it (unbinding first). An interface

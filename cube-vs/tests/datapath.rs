@@ -263,7 +263,8 @@ fn egress_policy_host_services_dns_and_internet_off() {
         assert_eq!(udp_get(&g, RESOLVER, 53), None, "no DNS with internet off");
         assert_eq!(udp_get(&g, INET_A, 5000), None);
 
-        // Private ranges can be opened explicitly, the node only with an explicit /32.
+        // No allow entry opens the node, however specific (users supply allow lists); only
+        // an operator's host-service entry does, and a deny still beats it.
         let host_open = EgressPolicy {
             allow: vec!["198.51.100.0/24".parse().unwrap()],
             ..Default::default()
@@ -275,8 +276,27 @@ fn egress_policy_host_services_dns_and_internet_off() {
             ..Default::default()
         };
         sw.set_policy(&p, &host_open).unwrap();
-        assert!(ok(NODE_IP, 9091), "explicit /32 allow opens the node");
+        assert!(!ok(NODE_IP, 9091), "a /32 allow does not open the node");
+        let svc = EgressPolicy {
+            host_services: vec![NODE_IP],
+            ..Default::default()
+        };
+        sw.set_policy(&p, &svc).unwrap();
+        assert!(ok(NODE_IP, 9091), "a host-service entry opens the node");
         assert!(!ok(METADATA, 80));
+        let svc_denied = EgressPolicy {
+            deny: vec![format!("{NODE_IP}/32").parse().unwrap()],
+            ..svc.clone()
+        };
+        sw.set_policy(&p, &svc_denied).unwrap();
+        assert!(!ok(NODE_IP, 9091), "deny beats a host-service entry");
+        // A replacement leaves exactly the new policy's entries (the built-ins plus one), none
+        // of the generation it replaced.
+        sw.set_policy(&p, &svc).unwrap();
+        assert_eq!(
+            sw.policy_entries(&p).unwrap(),
+            1 + cube_vs::ALWAYS_DENIED.len() + 1
+        );
 
         // Unsolicited UDP from the internet to the sandbox never gets in.
         assert_eq!(udp_get(&i, HOST0, 49983), None);

@@ -46,6 +46,8 @@ pub struct InitRequest {
     pub timestamp: String,
     pub default_user: String,
     pub default_workdir: String,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub nameservers: Vec<String>,
 }
 
 /// RFC 3339 UTC timestamp with nanoseconds, computed without a date library.

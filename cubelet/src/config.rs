@@ -77,6 +77,10 @@ pub enum SwitchKind {
 pub struct NetworkConfig {
     /// `"cube-vs"` (default) or `"none"`.
     pub switch: SwitchKind,
+    /// The DNS server sandboxes use (their `/etc/resolv.conf`, written by the agent at init):
+    /// the switch lets port 53 reach it, and only it, while a sandbox may reach the internet.
+    /// Unset = sandboxes have no resolver (DNS is blocked).
+    pub dns_resolver: Option<std::net::Ipv4Addr>,
 }
 
 /// The `microvm` runtime (cube-shim processes hosting KVM microVMs).

@@ -36,13 +36,11 @@ fn policy_from(p: Option<pb::NetworkPolicy>) -> Result<Policy, Status> {
             ..Default::default()
         });
     };
-    for c in p.allow_cidrs.iter().chain(p.deny_cidrs.iter()) {
-        let ok = c.split_once('/').is_some_and(|(ip, len)| {
-            ip.parse::<std::net::IpAddr>().is_ok() && len.parse::<u8>().is_ok_and(|l| l <= 128)
-        });
-        if !ok {
+    check_egress(&p.allow_cidrs, &p.deny_cidrs)?;
+    for a in &p.host_services {
+        if a.parse::<std::net::Ipv4Addr>().is_err() {
             return Err(Status::invalid_argument(format!(
-                "network policy: {c:?} is not a CIDR (a.b.c.d/len)"
+                "network policy: host service {a:?} is not an IPv4 address"
             )));
         }
     }
@@ -62,7 +60,36 @@ fn policy_from(p: Option<pb::NetworkPolicy>) -> Result<Policy, Status> {
         deny_cidrs: p.deny_cidrs,
         exposed_ports: ports,
         all_ports: p.all_ports,
+        host_services: p.host_services,
     })
+}
+
+/// Allow and deny entries are CIDRs; an allow entry must not lie inside a range the switch
+/// denies by default (private, shared, link-local, loopback, reserved): it would override that
+/// deny, and these lists come from users.
+#[allow(clippy::result_large_err)]
+fn check_egress(allow: &[String], deny: &[String]) -> Result<(), Status> {
+    for c in allow.iter().chain(deny.iter()) {
+        let ok = c.split_once('/').is_some_and(|(ip, len)| {
+            ip.parse::<std::net::IpAddr>().is_ok() && len.parse::<u8>().is_ok_and(|l| l <= 128)
+        });
+        if !ok {
+            return Err(Status::invalid_argument(format!(
+                "network policy: {c:?} is not a CIDR (a.b.c.d/len)"
+            )));
+        }
+    }
+    for c in allow {
+        let Ok(cidr) = c.parse::<cube_vs::Ipv4Cidr>() else {
+            continue; // IPv6: sandboxes have none, so it can open nothing
+        };
+        if let Some(r) = cube_vs::reserved_range_of(&cidr) {
+            return Err(Status::invalid_argument(format!(
+                "network policy: allow entry {c} is inside {r}, which sandboxes may not reach"
+            )));
+        }
+    }
+    Ok(())
 }
 
 fn policy_to(p: &Policy) -> pb::NetworkPolicy {
@@ -78,6 +105,7 @@ fn policy_to(p: &Policy) -> pb::NetworkPolicy {
             })
             .collect(),
         all_ports: p.all_ports,
+        host_services: p.host_services.clone(),
     }
 }
 
@@ -233,6 +261,13 @@ impl pb::node_server::Node for NodeService {
     ) -> Result<Response<pb::Sandbox>, Status> {
         let r = req.into_inner();
         let shape = r.shape.unwrap_or_default();
+        let policy = policy_from(r.network)?;
+        if policy.has_egress_rules() && !self.node.host.net.hook().isolates() {
+            return Err(Status::failed_precondition(
+                "network policy: this node has no switch (network.switch = \"none\"), so \
+                 allow and deny entries cannot be enforced",
+            ));
+        }
         let cr = CreateRequest {
             id: r.sandbox_id,
             template: r.template,
@@ -244,7 +279,7 @@ impl pb::node_server::Node for NodeService {
             },
             env_vars: r.env_vars.into_iter().collect(),
             metadata: r.metadata.into_iter().collect(),
-            policy: policy_from(r.network)?,
+            policy,
             access_token: r.access_token,
             default_user: r.default_user,
             default_workdir: r.default_workdir,
@@ -252,6 +287,19 @@ impl pb::node_server::Node for NodeService {
             from_snapshot: r.from_snapshot,
         };
         let st = self.node.create(cr).await?;
+        Ok(Response::new(sandbox_to(&self.node, &st)))
+    }
+
+    async fn set_egress(
+        &self,
+        req: Request<pb::SetEgressRequest>,
+    ) -> Result<Response<pb::Sandbox>, Status> {
+        let r = req.into_inner();
+        check_egress(&r.allow_cidrs, &r.deny_cidrs)?;
+        let st = self
+            .node
+            .set_egress(&r.sandbox_id, r.internet, r.allow_cidrs, r.deny_cidrs)
+            .await?;
         Ok(Response::new(sandbox_to(&self.node, &st)))
     }
 

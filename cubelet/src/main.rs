@@ -175,6 +175,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                         cubelet::vswitch::VsHook::open(
                             cfg.switch.clone(),
                             cfg.sandbox.agent_port,
+                            cfg.network.dns_resolver,
                         )
                         .context("starting cube-vs (set network.switch = \"none\" to run without isolation)")?,
                     ),

@@ -88,6 +88,19 @@ pub struct Policy {
     /// Every guest port open to the node (E2B's public ports through the edge).
     #[serde(default)]
     pub all_ports: bool,
+    /// Addresses of the node itself the sandbox may reach (an operator's choice; allow
+    /// entries never open the node).
+    #[serde(default)]
+    pub host_services: Vec<String>,
+}
+
+impl Policy {
+    /// Whether it has egress entries, which only a switch can enforce.
+    pub fn has_egress_rules(&self) -> bool {
+        !(self.allow_cidrs.is_empty()
+            && self.deny_cidrs.is_empty()
+            && self.host_services.is_empty())
+    }
 }
 
 /// Where the switch (cube-vs) plugs in. Every method runs off the create hot path except
@@ -109,6 +122,15 @@ pub trait NetworkHook: Send + Sync + 'static {
     /// endpoint is already bound); `None` without a switch.
     fn apply_policy(&self, _ep: &Endpoint, _policy: &Policy) -> Result<Option<Ipv4Addr>, String> {
         Ok(None)
+    }
+    /// Replaces the egress part of a bound endpoint's policy (PUT /sandboxes/{id}/network);
+    /// atomic: the datapath sees the old rules or the new ones. Without a switch there is
+    /// nothing to enforce it, which is an error, not a silent success.
+    fn update_policy(&self, _ep: &Endpoint, _policy: &Policy) -> Result<(), String> {
+        Err(
+            "this node has no switch (network.switch = \"none\"): egress rules cannot be enforced"
+                .into(),
+        )
     }
     /// Before the veth is deleted (unbind, detach, release the host address).
     fn endpoint_released(&self, _ep: &Endpoint) {}

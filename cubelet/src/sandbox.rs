@@ -154,6 +154,9 @@ pub struct InitBody {
     pub access_token: Option<String>,
     pub default_user: String,
     pub default_workdir: String,
+    /// The agent writes these to `/etc/resolv.conf` (empty = leaves it alone).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub nameservers: Vec<String>,
 }
 
 /// Where a sandbox's files live.

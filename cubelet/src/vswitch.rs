@@ -35,6 +35,8 @@ pub struct VsHook {
     inner: Mutex<Inner>,
     /// Guest ports the edge may always open (envd, the code interpreter, the agent's port).
     base_ports: Vec<u16>,
+    /// The only DNS server sandboxes may query (while their internet is on).
+    resolver: Option<Ipv4Addr>,
 }
 
 fn port_of(ep: &Endpoint) -> Port {
@@ -61,18 +63,31 @@ pub fn egress_policy(p: &Policy) -> Result<EgressPolicy, String> {
         }
         Ok(out)
     };
+    let host_services = p
+        .host_services
+        .iter()
+        .map(|a| {
+            a.parse::<Ipv4Addr>()
+                .map_err(|e| format!("host service {a:?}: {e}"))
+        })
+        .collect::<Result<_, _>>()?;
     Ok(EgressPolicy {
         internet: p.internet,
         allow: parse(&p.allow_cidrs)?,
         deny: parse(&p.deny_cidrs)?,
         dns_resolver: None,
+        host_services,
     })
 }
 
 impl VsHook {
     /// Opens (or re-adopts) the switch. `agent_port` is always exposed besides
     /// [`cube_vs::DEFAULT_EXPOSED_PORTS`].
-    pub fn open(cfg: SwitchConfig, agent_port: u16) -> Result<VsHook, cube_vs::Error> {
+    pub fn open(
+        cfg: SwitchConfig,
+        agent_port: u16,
+        resolver: Option<Ipv4Addr>,
+    ) -> Result<VsHook, cube_vs::Error> {
         let pool = AddrPool::new(cfg.host_pool)?;
         let sw = Switch::open(cfg)?;
         let mut base_ports = cube_vs::DEFAULT_EXPOSED_PORTS.to_vec();
@@ -86,6 +101,14 @@ impl VsHook {
                 bound: HashMap::new(),
             }),
             base_ports,
+            resolver,
+        })
+    }
+
+    fn egress(&self, policy: &Policy) -> Result<EgressPolicy, String> {
+        Ok(EgressPolicy {
+            dns_resolver: self.resolver,
+            ..egress_policy(policy)?
         })
     }
 
@@ -105,7 +128,7 @@ impl VsHook {
         ports.dedup();
         Ok(SandboxNet {
             host_addr: addr,
-            policy: egress_policy(policy)?,
+            policy: self.egress(policy)?,
             exposed_ports: ports,
         })
     }
@@ -162,6 +185,16 @@ impl NetworkHook for VsHook {
                 Err(format!("binding {} to {addr}: {e}", ep.host_if))
             }
         }
+    }
+
+    fn update_policy(&self, ep: &Endpoint, policy: &Policy) -> Result<(), String> {
+        let e = self.egress(policy)?;
+        let mut g = self.lock();
+        if !g.bound.contains_key(&ep.host_ifindex) {
+            return Err(format!("{} is not bound to a sandbox", ep.host_if));
+        }
+        g.sw.set_policy(&port_of(ep), &e)
+            .map_err(|e| format!("policy of {}: {e}", ep.host_if))
     }
 
     fn endpoint_released(&self, ep: &Endpoint) {
@@ -300,12 +333,14 @@ mod tests {
             deny_cidrs: vec!["8.8.0.0/16".into()],
             exposed_ports: vec![8080],
             all_ports: false,
+            host_services: vec!["198.18.0.9".into()],
         };
         let e = egress_policy(&p).unwrap();
         assert!(!e.internet);
         assert_eq!(e.allow.len(), 1);
         assert_eq!(e.allow[0].to_string(), "198.18.0.1/32");
         assert_eq!(e.deny[0].to_string(), "8.8.0.0/16");
+        assert_eq!(e.host_services, vec![Ipv4Addr::new(198, 18, 0, 9)]);
         let bad = Policy {
             allow_cidrs: vec!["1.2.3.4/99".into()],
             ..Default::default()

@@ -151,16 +151,18 @@ async fn sandboxes_are_isolated_policies_enforced_and_state_survives_a_crash() {
     let grpc_port: u16 = c.grpc.rsplit(':').next().unwrap().parse().unwrap();
     let mut cl = c.start().await;
     let mut r1 = create_req("iso1");
+    // iso1 allow-lists a node address: allow entries come from users and never open the node.
     r1.network = Some(pb::NetworkPolicy {
         internet: true,
         exposed_ports: vec![pb::ExposedPort { port: 8080 }],
+        allow_cidrs: vec![format!("{other}/32")],
         ..Default::default()
     });
     let sb1 = cl.create_sandbox(r1).await.unwrap().into_inner();
     let mut r2 = create_req("iso2");
     r2.network = Some(pb::NetworkPolicy {
         internet: false,
-        allow_cidrs: vec![format!("{allowed}/32")],
+        host_services: vec![allowed.to_string()],
         ..Default::default()
     });
     let sb2 = cl.create_sandbox(r2).await.unwrap().into_inner();
@@ -221,6 +223,7 @@ async fn sandboxes_are_isolated_policies_enforced_and_state_survives_a_crash() {
     // the gateway address. iso1 has internet on, but node-local destinations stay closed.
     for (ip, port) in [
         (allowed, lport),
+        (other, lport),
         (allowed, grpc_port),
         (metadata, lport),
         (gateway, grpc_port),
@@ -240,13 +243,38 @@ async fn sandboxes_are_isolated_policies_enforced_and_state_survives_a_crash() {
         "iso2 reached iso1:8080"
     );
 
-    // (d) internet off + an allow-list entry: exactly the allowed address is reachable.
+    // (d) internet off + a host-service entry: exactly that node address is reachable.
     assert!(
         sb_can_connect(&sb2, allowed, lport).await,
         "allow-listed address blocked"
     );
     assert!(!sb_can_connect(&sb2, other, lport).await);
     assert!(!sb_can_connect(&sb2, metadata, lport).await);
+
+    // SetEgress replaces a running sandbox's rules at once (its host services stay, and a deny
+    // beats them); an allow entry inside a reserved range is refused.
+    let egress = |allow: &[&str], deny: &[String]| pb::SetEgressRequest {
+        sandbox_id: "iso2".into(),
+        internet: false,
+        allow_cidrs: allow.iter().map(|s| s.to_string()).collect(),
+        deny_cidrs: deny.to_vec(),
+    };
+    let e = cl
+        .set_egress(egress(&["10.1.2.3/32"], &[]))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    assert!(e.message().contains("10.0.0.0/8"), "{e:?}");
+    cl.set_egress(egress(&[], &[format!("{allowed}/32")]))
+        .await
+        .unwrap();
+    assert!(
+        !sb_can_connect(&sb2, allowed, lport).await,
+        "a deny set at run time did not hold"
+    );
+    cl.set_egress(egress(&[], &[])).await.unwrap();
+    assert!(sb_can_connect(&sb2, allowed, lport).await);
+    assert!(state_of(&c, "iso2").policy.deny_cidrs.is_empty());
 
     // Counters per sandbox on /metrics: iso1's blocked attempts were dropped.
     let body = http_get(&c.http, "/metrics").await;
@@ -368,6 +396,25 @@ async fn without_a_switch_cubelet_warns_loudly_and_still_runs_sandboxes() {
         c.log()
     );
     assert!(!c.pin_root.join("maps").exists(), "switch state created");
+    // Egress rules need a switch to hold: refused, never accepted and ignored.
+    let mut r = create_req("nosw2");
+    r.network = Some(pb::NetworkPolicy {
+        internet: true,
+        deny_cidrs: vec!["198.51.100.0/24".into()],
+        ..Default::default()
+    });
+    let e = cl.create_sandbox(r).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+    let e = cl
+        .set_egress(pb::SetEgressRequest {
+            sandbox_id: "nosw1".into(),
+            internet: true,
+            deny_cidrs: vec!["198.51.100.0/24".into()],
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
     cl.kill_sandbox(pb::SandboxRef {
         sandbox_id: "nosw1".into(),
     })

@@ -25,6 +25,9 @@ TEMPLATE = "e2emini"
 PROCESS_NAMES = "cat /proc/[0-9]*/comm 2>/dev/null || true"
 # dmesg: a failed microVM test prints the guest's kernel log (tests/microvm_logs.py); chmod:
 # tests/isolation makes its probe executable; nc, mkfifo, mv, seq: test_public_ports's servers.
+# Sandboxes' DNS server: an address on test_egress.py's test network (nothing answers there
+# unless that module's namespace is up).
+TEST_RESOLVER = "203.0.113.53"
 PROGRAMS = "sh,bash,cat,echo,ls,sleep,mkdir,rm,id,env,touch,sync,true,false,head,grep,dmesg,chmod,nc,mkfifo,mv,seq"
 
 
@@ -189,6 +192,7 @@ network = 1
 disks = 0
 [network]
 switch = "cube-vs"
+dns_resolver = "{TEST_RESOLVER}"
 [switch]
 host_pool = "{host_pool}"
 pin_root = "{pin_root}"

@@ -190,12 +190,12 @@ def test_started_after_filters_the_listing(cube):
 
 
 @pytest.mark.parametrize("opts,named", [
-    ({"network": {"deny_out": ["10.0.0.1/32"]}}, "network.denyOut"),
-    ({"network": {"allow_out": ["example.com"], "deny_out": ["0.0.0.0/0"]}}, "network.allowOut"),
+    ({"network": {"dns_servers": ["1.1.1.1"]}}, "network.dnsServers"),
+    ({"network": {"egress_proxy": {"address": "127.0.0.1:1080"}}}, "network.egressProxy"),
     ({"network": {"https_ports": [8443]}}, "network.httpsPorts"),
     ({"lifecycle": {"on_timeout": {"action": "pause", "mode": "filesystem"}}}, "autoPauseMemory"),
     ({"mcp": {"github": {"githubPersonalAccessToken": "x"}}}, "mcp"),
-])
+], ids=["dnsServers", "egressProxy", "httpsPorts", "autoPauseMemory", "mcp"])
 def test_options_cube_does_not_implement_are_refused_by_name(cube, opts, named):
     before = live_ids(cube)
     with pytest.raises(SandboxException) as e:

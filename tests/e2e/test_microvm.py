@@ -13,7 +13,8 @@ import pytest
 from e2b import Sandbox
 
 import microvm_logs
-from conftest import PROCESS_NAMES, TEMPLATE
+from conftest import PROCESS_NAMES, TEMPLATE, TEST_RESOLVER
+from test_egress import A, B, inet, reaches  # noqa: F401 (inet is a fixture)
 
 
 def detail(cube, sid):
@@ -86,3 +87,20 @@ def test_linux_microvm_sandbox_lifecycle_through_the_sdk(cube_microvm):
         a.kill()
         if b is not None:
             b.kill()
+
+
+@pytest.mark.timeout(900)
+def test_linux_microvm_egress_rules_hold_on_its_tap(cube_microvm, inet):
+    """E2B's denyOut on a microVM (its tap on the switch), then replaced at run time."""
+    sbx = Sandbox.create(TEMPLATE, timeout=300, network={"deny_out": [A]}, **SLOW)
+    try:
+        with microvm_logs.on_failure(cube_microvm):
+            # The init channel gave the restored guest its resolver.
+            conf = sbx.commands.run("cat /etc/resolv.conf", **CMD).stdout
+            assert f"nameserver {TEST_RESOLVER}" in conf, conf
+            assert not reaches(sbx, A, timeout=300), "a denied address was reached"
+            assert reaches(sbx, B, timeout=300)
+            sbx.update_network({"deny_out": [B]}, **SLOW)
+            assert reaches(sbx, A, timeout=300) and not reaches(sbx, B, timeout=300)
+    finally:
+        sbx.kill()

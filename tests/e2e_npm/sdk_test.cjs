@@ -141,14 +141,26 @@ const cases = [
       // 2.13 has no network option; its create body carries an unknown field the same way.
       const r = await fetch(process.env.E2B_API_URL + '/sandboxes', {
         method: 'POST', headers: { 'X-API-KEY': process.env.E2B_API_KEY, 'Content-Type': 'application/json' },
-        body: JSON.stringify({ templateID: TEMPLATE, network: { denyOut: ['10.0.0.1/32'] } }),
+        body: JSON.stringify({ templateID: TEMPLATE, network: { dnsServers: ['1.1.1.1'] } }),
       })
       const body = await r.json()
-      assert(r.status === 400 && body.message.includes('network.denyOut'), JSON.stringify(body))
+      assert(r.status === 400 && body.message.includes('network.dnsServers'), JSON.stringify(body))
       return
     }
-    const e = await rejects(Sandbox.create(TEMPLATE, { network: { denyOut: ['10.0.0.1/32'] } }), null, 'deny_out')
-    assert(String(e).includes('network.denyOut'), 'named in the error: ' + e)
+    // Domain names in allowOut are not implemented: refused, not accepted and ignored.
+    const e = await rejects(Sandbox.create(TEMPLATE, { network: { allowOut: ['example.com'], denyOut: ['0.0.0.0/0'] } }), null, 'allowOut domain')
+    assert(String(e).includes('allowOut entry') && String(e).includes('domain names'), 'named in the error: ' + e)
+    // An address deny is enforced, and the detail reports it.
+    const s = await Sandbox.create(TEMPLATE, { network: { denyOut: ['198.51.100.9'] } })
+    try {
+      const info = await fetch(process.env.E2B_API_URL + '/sandboxes/' + s.sandboxId, { headers: { 'X-API-KEY': process.env.E2B_API_KEY } }).then(r => r.json())
+      assert(JSON.stringify(info.network.denyOut) === '["198.51.100.9/32"]', JSON.stringify(info.network))
+      await s.updateNetwork({})
+      const after = await fetch(process.env.E2B_API_URL + '/sandboxes/' + s.sandboxId, { headers: { 'X-API-KEY': process.env.E2B_API_KEY } }).then(r => r.json())
+      assert(after.network.denyOut === undefined, JSON.stringify(after.network))
+    } finally {
+      await s.kill()
+    }
   }],
   ['kill', async () => {
     assert((await sbx.kill()) !== false, 'kill')

@@ -77,6 +77,44 @@ pub fn host_xcr0() -> u64 {
     lo as u64 | (hi as u64) << 32
 }
 
+/// AMX tile configuration and tile data (XCR0 bits 17 and 18).
+const XFEATURE_XTILECFG: u64 = 1 << 17;
+const XFEATURE_XTILEDATA: u64 = 1 << 18;
+
+/// `arch_prctl` code: the XSAVE components this process may use (Linux 5.16+).
+const ARCH_GET_XCOMP_PERM: libc::c_ulong = 0x1022;
+
+/// The components guest user mode can really use on PVM: the host's XCR0 less the ones the
+/// kernel gates per process with XFD (AMX) and has not granted this one. XCR0 has AMX's bits
+/// set on every AMX host, but until a process asks (`ARCH_REQ_XCOMP_PERM`), its AMX
+/// instructions fault (XFD arms tile data, and every AMX instruction, LDTILECFG included,
+/// checks it), so no tile register can be live to be lost in a snapshot.
+pub fn user_usable_xfeatures() -> u64 {
+    let mut perm: u64 = 0;
+    // SAFETY: ARCH_GET_XCOMP_PERM writes one u64 through the pointer, which is valid.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_arch_prctl,
+            ARCH_GET_XCOMP_PERM,
+            &mut perm as *mut u64,
+        )
+    };
+    usable_with_permission(host_xcr0(), (rc == 0).then_some(perm))
+}
+
+/// `xcr0` less what `perm` (this process's permitted components; `None` = a kernel without
+/// dynamic features, where XCR0 is the whole story) withholds.
+fn usable_with_permission(xcr0: u64, perm: Option<u64>) -> u64 {
+    let Some(perm) = perm else {
+        return xcr0;
+    };
+    let mut usable = xcr0 & perm;
+    if usable & XFEATURE_XTILEDATA == 0 {
+        usable &= !XFEATURE_XTILECFG;
+    }
+    usable
+}
+
 /// Checks that every component the guest can use is one KVM saves, and that a snapshot's
 /// `kvm_xsave` holds all of them: otherwise a restored guest would find registers reset.
 /// `usable` is what the guest can use: the host's XCR0 on PVM (native user mode), the table's
@@ -191,6 +229,37 @@ fn region_bytes_mut(x: &mut kvm_xsave) -> &mut [u8] {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn amx_counts_only_when_this_process_may_use_it() {
+        // An AMX host's XCR0 (x87, SSE, AVX, AVX-512, PKRU, tiles) and its default permission.
+        let xcr0 = 0x602e7;
+        let default_perm = 0x202e7 | (1 << 17);
+        assert_eq!(usable_with_permission(xcr0, Some(default_perm)), 0x2e7);
+        // Granted (ARCH_REQ_XCOMP_PERM): the tiles count, and the check then refuses a table
+        // that does not save them.
+        assert_eq!(usable_with_permission(xcr0, Some(xcr0)), xcr0);
+        assert!(check(
+            XsaveLayout {
+                features: 0x2e7,
+                size: 2696
+            },
+            xcr0
+        )
+        .is_err());
+        assert!(check(
+            XsaveLayout {
+                features: 0x2e7,
+                size: 2696
+            },
+            0x2e7
+        )
+        .is_ok());
+        // A kernel without dynamic features: XCR0 as it is.
+        assert_eq!(usable_with_permission(0x2e7, None), 0x2e7);
+        // This host, whatever it has: never more than its XCR0.
+        assert_eq!(user_usable_xfeatures() & !host_xcr0(), 0);
+    }
 
     fn layout(features: u64, size: u32) -> XsaveLayout {
         XsaveLayout { features, size }

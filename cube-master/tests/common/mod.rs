@@ -133,6 +133,9 @@ macro_rules! both_backends {
     };
 }
 
+/// What a node's switch holds for one sandbox: (internet, allow CIDRs, deny CIDRs).
+pub type Egress = (bool, Vec<String>, Vec<String>);
+
 /// A fake cubelet: keeps sandboxes in memory, pauses and resumes them, answers NodeStatus.
 #[derive(Default)]
 pub struct FakeNode {
@@ -144,6 +147,8 @@ pub struct FakeNode {
     pub creates: AtomicU32,
     pub pauses: AtomicU32,
     pub kills: AtomicU32,
+    /// The egress each sandbox's switch has: (internet, allow CIDRs, deny CIDRs).
+    pub egress: Mutex<BTreeMap<String, Egress>>,
 }
 
 impl FakeNode {
@@ -194,6 +199,11 @@ impl Node for Handle {
             .lock()
             .unwrap()
             .insert(r.sandbox_id.clone(), st);
+        let n = r.network.unwrap_or_default();
+        self.0.egress.lock().unwrap().insert(
+            r.sandbox_id.clone(),
+            (n.internet, n.allow_cidrs, n.deny_cidrs),
+        );
         Ok(Response::new(sb(&r.sandbox_id, st)))
     }
     async fn kill_sandbox(&self, r: Request<pb::SandboxRef>) -> R<pb::KillSandboxResponse> {
@@ -287,6 +297,18 @@ impl Node for Handle {
     }
     async fn sandbox_stats(&self, _r: Request<pb::SandboxRef>) -> R<pb::SandboxStatsResponse> {
         Err(Status::unimplemented("fake"))
+    }
+    async fn set_egress(&self, r: Request<pb::SetEgressRequest>) -> R<pb::Sandbox> {
+        let r = r.into_inner();
+        let st = self
+            .0
+            .state_of(&r.sandbox_id)
+            .ok_or_else(|| Status::not_found("no such sandbox"))?;
+        self.0.egress.lock().unwrap().insert(
+            r.sandbox_id.clone(),
+            (r.internet, r.allow_cidrs, r.deny_cidrs),
+        );
+        Ok(Response::new(sb(&r.sandbox_id, st)))
     }
 }
 

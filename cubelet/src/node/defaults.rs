@@ -67,6 +67,7 @@ pub fn spec(
     req: &CreateRequest,
     rootfs: &Path,
     template_bytes: u64,
+    nameservers: &[String],
 ) -> CreateSpec {
     let user = if req.default_user.is_empty() {
         DEFAULT_USER.to_string()
@@ -86,6 +87,7 @@ pub fn spec(
             access_token: Some(req.access_token.clone()).filter(|t| !t.is_empty()),
             default_user: user,
             default_workdir: workdir,
+            nameservers: nameservers.to_vec(),
         },
         ready_timeout: Duration::from_millis(u64::from(if req.ready_timeout_ms == 0 {
             c.ready_timeout_ms
@@ -103,8 +105,9 @@ mod tests {
     fn defaults_are_filled_once() {
         let c = SandboxConfig::default();
         let req = CreateRequest::default();
-        let s = spec(&c, &req, Path::new("/r"), 0);
+        let s = spec(&c, &req, Path::new("/r"), 0, &[]);
         assert_eq!(s.init.default_user, "user");
+        assert!(s.init.nameservers.is_empty());
         assert_eq!(s.init.default_workdir, "/home/user");
         assert_eq!(s.init.access_token, None);
         assert_eq!(
@@ -117,8 +120,9 @@ mod tests {
             ready_timeout_ms: 5,
             ..Default::default()
         };
-        let s = spec(&c, &req, Path::new("/r"), 0);
+        let s = spec(&c, &req, Path::new("/r"), 0, &["203.0.113.53".into()]);
         assert_eq!(s.init.default_workdir, "/root");
+        assert_eq!(s.init.nameservers, ["203.0.113.53"]);
         assert_eq!(s.init.access_token.as_deref(), Some("t"));
         assert_eq!(s.ready_timeout, Duration::from_millis(5));
         let req = CreateRequest {
@@ -126,7 +130,7 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(
-            spec(&c, &req, Path::new("/r"), 0).init.default_workdir,
+            spec(&c, &req, Path::new("/r"), 0, &[]).init.default_workdir,
             "/work"
         );
     }

@@ -239,7 +239,20 @@ impl Node {
             });
         }
         let shape = defaults::shape(&h.cfg.sandbox, req.shape, manifest.rootfs.bytes)?;
-        let spec = defaults::spec(&h.cfg.sandbox, &req, &rootfs, manifest.rootfs.bytes);
+        let nameservers: Vec<String> = h
+            .cfg
+            .network
+            .dns_resolver
+            .iter()
+            .map(|a| a.to_string())
+            .collect();
+        let spec = defaults::spec(
+            &h.cfg.sandbox,
+            &req,
+            &rootfs,
+            manifest.rootfs.bytes,
+            &nameservers,
+        );
         let max = h.cfg.sandbox.max_sandboxes as usize;
         let entry = Arc::new(tokio::sync::Mutex::new(SandboxState {
             id: req.id.clone(),
@@ -394,6 +407,44 @@ impl Node {
         r?;
         saved?;
         Ok(out)
+    }
+
+    /// SetEgress: the sandbox's new internet switch and allow/deny entries (its ports stay).
+    /// Applied at once to a running sandbox's switch port; recorded for one that has none
+    /// now (it is bound with the record when it resumes).
+    pub async fn set_egress(
+        &self,
+        id: &str,
+        internet: bool,
+        allow: Vec<String>,
+        deny: Vec<String>,
+    ) -> Result<SandboxState, NodeError> {
+        let e = self.entry(id)?;
+        let mut st = e.lock().await;
+        if !matches!(st.phase, Phase::Running | Phase::Paused) {
+            return Err(NodeError::FailedPrecondition(format!(
+                "sandbox {id} is {:?}",
+                st.phase
+            )));
+        }
+        let policy = Policy {
+            internet,
+            allow_cidrs: allow,
+            deny_cidrs: deny,
+            ..st.policy.clone()
+        };
+        let hook = self.host.net.hook();
+        if let Some(ep) = &st.endpoint {
+            hook.update_policy(ep, &policy)
+                .map_err(|e| NodeError::FailedPrecondition(format!("sandbox {id}: {e}")))?;
+        } else if policy.has_egress_rules() && !hook.isolates() {
+            return Err(NodeError::FailedPrecondition(format!(
+                "sandbox {id}: this node has no switch, so egress rules cannot be enforced"
+            )));
+        }
+        st.policy = policy;
+        self.host.save(id, &st)?;
+        Ok(st.clone())
     }
 
     /// GetSandbox.

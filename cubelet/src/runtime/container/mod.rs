@@ -334,6 +334,7 @@ impl<L: Launcher> Runtime for Container<L> {
             timestamp: crate::agent::rfc3339_now(),
             default_user: spec.init.default_user.clone(),
             default_workdir: spec.init.default_workdir.clone(),
+            nameservers: spec.init.nameservers.clone(),
         };
         let ti = Instant::now();
         h.agent(&ep, st.host_addr)

@@ -711,6 +711,7 @@ mod tests {
             access_token: Some("tok".into()),
             default_user: "user".into(),
             default_workdir: "/home/user".into(),
+            nameservers: vec!["203.0.113.53".into()],
         };
         let a = InitPayload::fresh(body.clone());
         let b = InitPayload::fresh(body.clone());
