@@ -12,6 +12,8 @@
  */
 #define _GNU_SOURCE
 #include <sched.h>
+#include <setjmp.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -19,7 +21,6 @@
 #include <sys/reboot.h>
 #include <sys/wait.h>
 #include <unistd.h>
-#include <cpuid.h>
 
 #define PROCS 3
 #define ROUNDS 400
@@ -27,18 +28,34 @@
 enum level { SSE, AVX, AVX512 };
 static const char *names[] = {"SSE (xmm0-15)", "AVX (ymm0-15)", "AVX-512 (zmm0-31, k0-7)"};
 
+static sigjmp_buf no_xgetbv;
+
+static void on_sigill(int sig)
+{
+	(void)sig;
+	siglongjmp(no_xgetbv, 1);
+}
+
+/*
+ * What user mode can use is what XCR0 enables, whatever CPUID says: hostile code does not ask
+ * first, and on PVM hosts with CPUID faulting a guest program's CPUID is the VMM's table (whose
+ * OSXSAVE follows the guest kernel's CR4, off with noxsave) while it runs with the host's XCR0.
+ * So XCR0 is read directly (XGETBV faults where XSAVE is really off).
+ */
 static enum level usable(void)
 {
-	unsigned a, b, c, d;
-	__cpuid(1, a, b, c, d);
-	if (!(c & (1u << 27)) || !(c & (1u << 28)))
-		return SSE;
-	uint32_t lo, hi;
-	__asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+	volatile uint32_t lo = 0;
+	uint32_t l, h;
+	signal(SIGILL, on_sigill);
+	if (sigsetjmp(no_xgetbv, 1) == 0) {
+		__asm__ volatile("xgetbv" : "=a"(l), "=d"(h) : "c"(0));
+		lo = l;
+	}
+	signal(SIGILL, SIG_DFL);
 	if ((lo & 0x6) != 0x6)
 		return SSE;
-	__cpuid_count(7, 0, a, b, c, d);
-	if ((b & (1u << 16)) && (b & (1u << 30)) && (lo & 0xe6) == 0xe6)
+	/* ZMM state enabled: AVX-512 F and BW (every AVX-512 CPU this runs on has both). */
+	if ((lo & 0xe6) == 0xe6)
 		return AVX512;
 	return AVX;
 }
