@@ -59,10 +59,10 @@ pub struct EgressPolicy {
 /// The [`ALWAYS_DENIED`] range that contains `c` (or equals it): an explicit allow of `c` would
 /// override the built-in deny, so callers that take allow entries from users refuse those.
 pub fn reserved_range_of(c: &Ipv4Cidr) -> Option<Ipv4Cidr> {
-    ALWAYS_DENIED.iter().find_map(|&(a, l)| {
-        let r = Ipv4Cidr::new(a, l).expect("valid");
-        (r.prefix_len() <= c.prefix_len() && r.contains(c.addr())).then_some(r)
-    })
+    ALWAYS_DENIED
+        .iter()
+        .filter_map(|&(a, l)| Ipv4Cidr::new(a, l).ok())
+        .find(|r| r.prefix_len() <= c.prefix_len() && r.contains(c.addr()))
 }
 
 impl Default for EgressPolicy {
@@ -119,9 +119,13 @@ impl EgressPolicy {
                 },
             );
         }
-        for a in &self.host_services {
+        for c in self
+            .host_services
+            .iter()
+            .filter_map(|a| Ipv4Cidr::new(*a, 32).ok())
+        {
             out.insert(
-                Ipv4Cidr::new(*a, 32).expect("valid"),
+                c,
                 Rule {
                     allow: true,
                     explicit: true,
