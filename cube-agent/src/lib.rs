@@ -11,6 +11,7 @@ pub mod files_http;
 pub mod fs_rpc;
 pub mod init;
 pub mod interpreter;
+pub mod journal;
 pub mod mountinfo;
 pub mod net;
 pub mod pjson;

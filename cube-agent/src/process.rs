@@ -279,6 +279,8 @@ pub struct SpawnRequest {
 pub struct ProcessManager {
     procs: Mutex<HashMap<u32, Arc<Process>>>,
     trim_pending: std::sync::atomic::AtomicBool,
+    /// Process starts and exits, for the node's sandbox logs.
+    pub journal: crate::journal::Journal,
 }
 
 /// Selects a process by pid or tag.
@@ -299,6 +301,7 @@ impl ProcessManager {
         ProcessManager {
             procs: Mutex::new(HashMap::new()),
             trim_pending: std::sync::atomic::AtomicBool::new(false),
+            journal: crate::journal::Journal::default(),
         }
     }
 
@@ -434,6 +437,20 @@ impl ProcessManager {
         // Close our copies of the PTY slave / child ends now, so EOF is seen when the child exits.
         drop(cmd);
         let pid = child.id();
+        let mut fields = vec![
+            ("logger", "process".to_string()),
+            ("pid", pid.to_string()),
+            ("user", user.name.clone()),
+            (
+                "cmd",
+                crate::journal::command_line(&req.config.cmd, &req.config.args),
+            ),
+        ];
+        if let Some(t) = &req.tag {
+            fields.push(("tag", t.clone()));
+        }
+        self.journal
+            .record(crate::journal::Level::Info, "Process started", &fields);
 
         let stdin = match child.stdin.take() {
             Some(s) => tokio::net::unix::pipe::Sender::from_owned_fd(OwnedFd::from(s))
@@ -530,6 +547,21 @@ impl ProcessManager {
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .remove(&p.pid);
+            let level = if end.exited && end.exit_code == 0 {
+                crate::journal::Level::Info
+            } else {
+                crate::journal::Level::Warn
+            };
+            mgr.journal.record(
+                level,
+                "Process exited",
+                &[
+                    ("logger", "process".to_string()),
+                    ("pid", p.pid.to_string()),
+                    ("exitCode", end.exit_code.to_string()),
+                    ("status", end.status.clone()),
+                ],
+            );
             p.publish(ProcEvent::End(end)).await;
             // Close our end of stdin now rather than when the last stream lets go.
             *p.stdin.lock().await = Stdin::Closed;

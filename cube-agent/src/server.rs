@@ -313,6 +313,7 @@ async fn route(state: Shared, req: Request<Incoming>) -> Resp {
 
     match (method.as_str(), path.as_str()) {
         ("GET", "/envs") => return sys_http::envs(&state),
+        ("GET", "/logs") => return sys_http::logs(&state, &query),
         ("GET", "/metrics") => return sys_http::metrics(&state).await,
         _ => {}
     }

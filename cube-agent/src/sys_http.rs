@@ -261,6 +261,21 @@ pub fn envs(state: &Shared) -> Resp {
     server::json_response(200, &serde_json::json!(env))
 }
 
+/// `GET /logs?after=<seq>&limit=<n>` (Cube's, for the node): journal entries from `after` on,
+/// and the `next` seq to ask from.
+pub fn logs(state: &Shared, query: &HashMap<String, String>) -> Resp {
+    let num = |k: &str, default: u64| match query.get(k) {
+        None => Some(default),
+        Some(v) => v.parse::<u64>().ok(),
+    };
+    let (Some(after), Some(limit)) = (num("after", 0), num("limit", 500)) else {
+        return http_error(400, "after and limit must be non-negative integers");
+    };
+    let limit = limit.clamp(1, 1000) as usize;
+    let (entries, next) = state.processes.journal.since(after, limit);
+    server::json_response(200, &serde_json::json!({"next": next, "entries": entries}))
+}
+
 fn read_cpu() -> Option<(u64, u64)> {
     let s = std::fs::read_to_string("/proc/stat").ok()?;
     let line = s.lines().next()?;

@@ -10,6 +10,7 @@ pub mod openapi;
 pub mod ratelimit;
 pub mod rest;
 pub mod sandbox_cache;
+pub mod sandbox_logs;
 pub mod sandbox_metrics;
 pub mod snapshots;
 

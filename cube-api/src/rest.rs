@@ -74,6 +74,8 @@ pub fn router(state: AppState) -> Router {
         .route("/v2/sandboxes/:id/fork", post(crate::snapshots::fork))
         .route("/sandboxes/:id/metrics", get(crate::sandbox_metrics::one))
         .route("/sandboxes/metrics", get(crate::sandbox_metrics::many))
+        .route("/sandboxes/:id/logs", get(crate::sandbox_logs::v1))
+        .route("/v2/sandboxes/:id/logs", get(crate::sandbox_logs::v2))
         .fallback(not_found)
         .layer(middleware::from_fn_with_state(state.clone(), auth))
         .route("/health", get(|| async { StatusCode::OK }))

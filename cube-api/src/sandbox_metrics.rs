@@ -1,6 +1,6 @@
 //! Sandbox metrics (E2B §2.3): `GET /sandboxes/{id}/metrics` (the SDK's `get_metrics()`) and
-//! `GET /sandboxes/metrics?sandbox_ids=a,b` (dashboard/CLI). Cube keeps no metric history:
-//! each answer is one fresh sample from the sandbox's node.
+//! `GET /sandboxes/metrics?sandbox_ids=a,b` (dashboard/CLI): the first is the history its node
+//! sampled, the second one fresh sample of each running sandbox.
 
 use crate::error::ApiError;
 use crate::rest::{check_id, rfc3339, AppState, Team};
@@ -9,7 +9,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use cube_proto::master::v1 as pb;
-use cube_proto::nodev1::SandboxStatsResponse;
+use cube_proto::nodev1::{SandboxMetricsRequest, SandboxStatsResponse};
 use serde_json::{json, Map, Value};
 use std::collections::HashMap;
 
@@ -64,7 +64,9 @@ async fn sample(
     }
 }
 
-/// `GET /sandboxes/{id}/metrics?start=&end=` → 200 `[SandboxMetric]`.
+/// `GET /sandboxes/{id}/metrics?start=&end=` → 200 `[SandboxMetric]`: the samples its node
+/// took in the window (seconds, inclusive), oldest first; a running sandbox's include one of
+/// the last second. Paused and ended sandboxes keep theirs (within the node's retention).
 pub async fn one(
     State(st): State<AppState>,
     Extension(team): Extension<Team>,
@@ -79,14 +81,21 @@ pub async fn one(
             return Err(ApiError::bad_request("end must not be before start"));
         }
     }
-    let mut out = Vec::new();
-    if let Some(s) = sample(&st, &team, &id).await? {
-        let t = i64::try_from(s.timestamp_ms / 1000).unwrap_or(i64::MAX);
-        // The one sample there is, if the asked window contains now.
-        if start.is_none_or(|a| a <= t) && end.is_none_or(|b| t <= b) {
-            out.push(metric_json(&s));
-        }
-    }
+    let ms = |s: i64| u64::try_from(s).unwrap_or(0).saturating_mul(1000);
+    let mut m = st.master.clone();
+    let r = m
+        .get_sandbox_metrics_history(pb::SandboxMetricsQuery {
+            team_id: team.0.clone(),
+            query: Some(SandboxMetricsRequest {
+                sandbox_id: id,
+                start_ms: start.map(ms).unwrap_or(0),
+                // The whole last second; 0 would mean unbounded.
+                end_ms: end.map(|e| ms(e).saturating_add(999)).unwrap_or(0),
+            }),
+        })
+        .await?
+        .into_inner();
+    let out: Vec<Value> = r.samples.iter().map(metric_json).collect();
     Ok(Json(Value::Array(out)).into_response())
 }
 

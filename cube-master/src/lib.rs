@@ -14,6 +14,7 @@ pub mod metrics;
 pub mod node_store;
 pub mod nodes;
 pub mod reaper;
+pub mod sandbox_history;
 pub mod sandbox_metrics;
 pub mod scheduler;
 pub mod server;

@@ -1,5 +1,5 @@
 //! A sandbox's current resource use, read from its node (cgroup and disk on the namespace
-//! runtime). No history is kept: each call is one fresh sample.
+//! runtime): one fresh sample (the node's history of samples is `sandbox_history`).
 
 use crate::error::MasterError;
 use crate::service::Controller;

@@ -415,6 +415,30 @@ impl Master for MasterService {
         Ok(Response::new(s))
     }
 
+    async fn get_sandbox_metrics_history(
+        &self,
+        req: Request<pb::SandboxMetricsQuery>,
+    ) -> Result<Response<cube_proto::nodev1::SandboxMetricsResponse>, Status> {
+        let r = req.into_inner();
+        let q = r
+            .query
+            .ok_or_else(|| Status::invalid_argument("query is required"))?;
+        let s = crate::sandbox_history::metrics(&self.ctl, &r.team_id, q).await?;
+        Ok(Response::new(s))
+    }
+
+    async fn get_sandbox_logs(
+        &self,
+        req: Request<pb::SandboxLogsQuery>,
+    ) -> Result<Response<cube_proto::nodev1::SandboxLogsResponse>, Status> {
+        let r = req.into_inner();
+        let q = r
+            .query
+            .ok_or_else(|| Status::invalid_argument("query is required"))?;
+        let s = crate::sandbox_history::logs(&self.ctl, &r.team_id, q).await?;
+        Ok(Response::new(s))
+    }
+
     async fn list_nodes(
         &self,
         _req: Request<pb::ListNodesRequest>,

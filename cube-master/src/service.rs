@@ -192,6 +192,14 @@ impl Controller {
         }
     }
 
+    /// A sandbox of this team in any state, ended ones included (their history is read).
+    pub(crate) async fn any_state(&self, team: &str, id: &str) -> Result<SandboxRow, MasterError> {
+        match self.db.get_sandbox(id).await? {
+            Some(r) if team.is_empty() || r.team_id == team => Ok(r),
+            _ => Err(Self::not_found(id)),
+        }
+    }
+
     /// A sandbox being killed is already gone for callers (E2B answers 404 from the kill on).
     pub async fn get(&self, team: &str, id: &str) -> Result<SandboxRow, MasterError> {
         let r = self.visible(team, id).await?;

@@ -249,3 +249,44 @@ async fn egress_rules(url: String) {
 }
 
 both_backends!(egress, super::egress_rules);
+
+/// A sandbox's log is read from the node it ran on, also once it was killed (the node keeps it
+/// for its retention); another team never sees it.
+async fn history_outlives_the_sandbox(url: String) {
+    let node = FakeNode::new("hist");
+    let ctl = controller_on(&url, &node).await;
+    let row = ctl.create(params(600)).await.unwrap();
+    let q = || cube_proto::nodev1::SandboxLogsRequest {
+        sandbox_id: row.id.clone(),
+        ..Default::default()
+    };
+    let live = cube_master::sandbox_history::logs(&ctl, "t", q())
+        .await
+        .unwrap();
+    assert_eq!(live.entries[0].message, format!("log of {}", row.id));
+    assert!(ctl.kill("t", &row.id, "test").await.unwrap());
+    assert!(matches!(
+        ctl.get("t", &row.id).await.unwrap_err(),
+        MasterError::NotFound(_)
+    ));
+    let after = cube_master::sandbox_history::logs(&ctl, "t", q())
+        .await
+        .unwrap();
+    assert_eq!(after.entries.len(), 1, "asked of its node after the kill");
+    let e = cube_master::sandbox_history::logs(&ctl, "other", q())
+        .await
+        .unwrap_err();
+    assert!(matches!(e, MasterError::NotFound(_)), "{e:?}");
+    let e = cube_master::sandbox_history::logs(
+        &ctl,
+        "t",
+        cube_proto::nodev1::SandboxLogsRequest {
+            sandbox_id: "nosuchsandbox".into(),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap_err();
+    assert!(matches!(e, MasterError::NotFound(_)), "{e:?}");
+}
+both_backends!(history, super::history_outlives_the_sandbox);

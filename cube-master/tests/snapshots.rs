@@ -273,6 +273,18 @@ impl Node for Handle {
     async fn set_egress(&self, _r: Request<pb::SetEgressRequest>) -> R<pb::Sandbox> {
         Err(Status::unimplemented("fake"))
     }
+    async fn sandbox_metrics(
+        &self,
+        _r: Request<pb::SandboxMetricsRequest>,
+    ) -> R<pb::SandboxMetricsResponse> {
+        Err(Status::unimplemented("fake"))
+    }
+    async fn sandbox_logs(
+        &self,
+        _r: Request<pb::SandboxLogsRequest>,
+    ) -> R<pb::SandboxLogsResponse> {
+        Err(Status::unimplemented("fake"))
+    }
 }
 
 async fn serve(n: Arc<FakeNode>) -> String {

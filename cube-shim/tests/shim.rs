@@ -482,6 +482,11 @@ fn without_seccomp_flag_the_filter_is_off() {
         .any(|l| l.starts_with("NoNewPrivs:") && l.ends_with('1')));
     shim.stop();
     let on = Shim::spawn(Shape::new(1, 64));
+    // The socket is bound before the filter goes on; the first answer comes after it.
+    assert!(matches!(
+        on.client().call(Op::Ping).unwrap(),
+        Reply::Pong { seccomp: true, .. }
+    ));
     let status = std::fs::read_to_string(format!("/proc/{}/status", on.pid())).unwrap();
     // Mode 2 = filter, on every thread (TSYNC): check the vCPU thread too.
     assert!(

@@ -35,6 +35,8 @@ pub struct Config {
     pub cgroup: CgroupConfig,
     pub pools: PoolConfig,
     pub network: NetworkConfig,
+    /// Per-sandbox metrics history and logs: how often, how many, how long after the end.
+    pub journal: crate::journal::JournalConfig,
     /// cube-vs settings: host address pool, guest identity, pin root, nftables table.
     pub switch: cube_vs::SwitchConfig,
     /// Registration with cube-master (empty address = none; the master polls a static list).
@@ -228,6 +230,7 @@ impl Default for Config {
             cgroup: CgroupConfig::default(),
             pools: PoolConfig::default(),
             network: NetworkConfig::default(),
+            journal: Default::default(),
             switch: cube_vs::SwitchConfig::default(),
             master: MasterLink::default(),
             log_format: Default::default(),

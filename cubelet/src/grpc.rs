@@ -460,6 +460,26 @@ impl pb::node_server::Node for NodeService {
         Ok(Response::new(r))
     }
 
+    async fn sandbox_metrics(
+        &self,
+        req: Request<pb::SandboxMetricsRequest>,
+    ) -> Result<Response<pb::SandboxMetricsResponse>, Status> {
+        let r = req.into_inner();
+        let samples = self
+            .node
+            .metrics_history(&r.sandbox_id, r.start_ms, r.end_ms)
+            .await?;
+        Ok(Response::new(pb::SandboxMetricsResponse { samples }))
+    }
+
+    async fn sandbox_logs(
+        &self,
+        req: Request<pb::SandboxLogsRequest>,
+    ) -> Result<Response<pb::SandboxLogsResponse>, Status> {
+        let entries = self.node.logs(&req.into_inner()).await?;
+        Ok(Response::new(pb::SandboxLogsResponse { entries }))
+    }
+
     async fn node_status(
         &self,
         _req: Request<pb::NodeStatusRequest>,

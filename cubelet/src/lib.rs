@@ -12,6 +12,7 @@ pub mod config;
 pub mod error;
 pub mod fstree;
 pub mod grpc;
+pub mod journal;
 pub mod metrics;
 pub mod network;
 pub mod node;

@@ -190,6 +190,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                 cube_proto::tls::set_process_tls(cfg.tls.clone()).context("[tls]")?;
                 let node = cubelet::node::Node::start(cfg, hook).await?;
                 node.spawn_refiller();
+                node.spawn_sampler();
                 // `[master] address` set: register and heartbeat (never fatal).
                 let registration = cubelet::registration::spawn(node.clone());
                 let stop = async {

@@ -72,3 +72,25 @@ def test_cors_allows_all(raw):
     assert r.header("access-control-allow-origin") in ("*", "https://example.com"), r.headers
     r = raw.request("GET", "/health", headers={"Origin": "https://example.com"})
     assert r.header("access-control-allow-origin") in ("*", "https://example.com"), r.headers
+
+
+def test_logs_journal_of_process_starts_and_exits(sbx, raw):
+    """Cube's `GET /logs?after=N` (the node pulls it for the sandbox's log): each process start
+    with its command line, each exit with its code, in seq order; `next` resumes."""
+    first = raw.request("GET", "/logs?after=0&limit=1000").json()
+    start = first["next"]
+    try:
+        sbx.commands.run("sh -c 'exit 5'")
+    except Exception:
+        pass
+    page = raw.request("GET", f"/logs?after={start}").json()
+    mine = page["entries"]
+    assert [e["message"] for e in mine] == ["Process started", "Process exited"], mine
+    assert "exit 5" in mine[0]["fields"]["cmd"] and mine[0]["fields"]["logger"] == "process"
+    assert mine[1]["fields"]["exitCode"] == "5" and mine[1]["level"] == "warn"
+    assert mine[0]["fields"]["pid"] == mine[1]["fields"]["pid"]
+    assert [e["seq"] for e in mine] == list(range(start, start + 2))
+    assert page["next"] == start + 2
+    assert raw.request("GET", f"/logs?after={page['next']}").json()["entries"] == []
+    assert raw.request("GET", "/logs?after=-1").status == 400
+    assert raw.request("GET", "/logs?limit=x").status == 400

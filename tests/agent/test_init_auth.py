@@ -95,6 +95,8 @@ def test_access_token_enforced(private_agent, wd):
     for method, path, body, hdrs in [
         ("GET", "/envs", None, {}),
         ("GET", "/metrics", None, {}),
+        # The process log names every command run: as private as the processes themselves.
+        ("GET", "/logs", None, {}),
         ("POST", "/process.Process/List", b"{}", {"Content-Type": "application/json"}),
         ("POST", "/filesystem.Filesystem/Stat", b'{"path":"/"}', {"Content-Type": "application/json"}),
         ("GET", "/files?path=/etc/hostname", None, {}),

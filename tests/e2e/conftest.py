@@ -28,6 +28,8 @@ PROCESS_NAMES = "cat /proc/[0-9]*/comm 2>/dev/null || true"
 # Sandboxes' DNS server: an address on test_egress.py's test network (nothing answers there
 # unless that module's namespace is up).
 TEST_RESOLVER = "203.0.113.53"
+# The node samples each sandbox this often (production: 5 s), so a test sees a history quickly.
+SAMPLE_INTERVAL_MS = 300
 PROGRAMS = "sh,bash,cat,echo,ls,sleep,mkdir,rm,id,env,touch,sync,true,false,head,grep,dmesg,chmod,nc,mkfifo,mv,seq"
 
 
@@ -193,6 +195,8 @@ disks = 0
 [network]
 switch = "cube-vs"
 dns_resolver = "{TEST_RESOLVER}"
+[journal]
+sample_interval_ms = {SAMPLE_INTERVAL_MS}
 [switch]
 host_pool = "{host_pool}"
 pin_root = "{pin_root}"

@@ -15,6 +15,7 @@ from e2b import Sandbox
 import microvm_logs
 from conftest import PROCESS_NAMES, TEMPLATE, TEST_RESOLVER
 from test_egress import A, B, inet, reaches  # noqa: F401 (inet is a fixture)
+from test_history import cmd_of, logs_until
 
 
 def detail(cube, sid):
@@ -61,6 +62,12 @@ def test_linux_microvm_sandbox_lifecycle_through_the_sdk(cube_microvm):
                     assert "sleep" in f.commands.run(PROCESS_NAMES, **CMD).stdout.split()
                     assert f.files.read("/home/user/note.txt") == "kept across pause"
                     assert f.commands.run("echo $CUBE_WHO", **CMD).stdout == "fork\n"
+                    # Its log starts at its own create: what the restored agent remembers of
+                    # a's commands (it ran them before the snapshot) is not f's.
+                    f_log = logs_until(f.sandbox_id, "the fork's own command",
+                                       lambda e: "echo $CUBE_WHO" in cmd_of(e), timeout=300)
+                    assert not any("osrelease" in cmd_of(e) for e in f_log), f_log
+                    assert f_log[0].message == "Sandbox created"
                 finally:
                     f.kill()
             finally:

@@ -151,8 +151,8 @@ def test_metrics(cube):
     try:
         sbx.commands.run("i=0; while [ $i -lt 20000 ]; do i=$((i+1)); done")
         ms = sbx.get_metrics()
-        assert len(ms) == 1
-        m = ms[0]
+        assert len(ms) >= 1
+        m = ms[-1]
         assert m.cpu_count == 2
         assert 0.0 <= m.cpu_used_pct <= 100.0
         assert 0 < m.mem_used <= m.mem_total
@@ -172,9 +172,9 @@ def test_metrics(cube):
         # A window in the past has no samples.
         st, body, _ = api(cube, "GET", f"/sandboxes/{sbx.sandbox_id}/metrics?start=1&end=2")
         assert st == 200 and body == []
-        # Paused: no samples, not an error.
+        # Paused: the history taken while it ran (test_history.py checks it in detail).
         assert sbx.pause() is True
-        assert Sandbox.get_metrics(sbx.sandbox_id) == []
+        assert len(Sandbox.get_metrics(sbx.sandbox_id)) >= len(ms)
     finally:
         sbx.kill()
 

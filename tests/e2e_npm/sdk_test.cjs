@@ -57,6 +57,36 @@ const cases = [
     const e = await sbx.commands.run('echo $CUBE_NPM')
     assert(e.stdout.trim() === 'yes', 'env var: ' + JSON.stringify(e.stdout))
   }],
+  ['history', async () => {
+    // The node's samples (a history, not one sample) and the log of what ran, through the
+    // SDK's own API client; the failed command's exit is a warning.
+    await sbx.commands.run('sh -c "exit 4"').catch(() => {})
+    const api = new e2b.ApiClient(new e2b.ConnectionConfig()).api
+    const path = { sandboxID: sbx.sandboxId }
+    let logs = []
+    for (let i = 0; i < 100; i++) {
+      const r = await api.GET('/v2/sandboxes/{sandboxID}/logs', { params: { path, query: { level: 'warn' } } })
+      assert(r.response.status === 200, 'logs status ' + r.response.status)
+      logs = r.data.logs
+      if (logs.length > 0) break
+      await new Promise(res => setTimeout(res, 100))
+    }
+    assert(logs.length === 1 && logs[0].message === 'Process exited' && logs[0].fields.exitCode === '4',
+      JSON.stringify(logs))
+    const all = (await api.GET('/v2/sandboxes/{sandboxID}/logs', { params: { path } })).data.logs
+    assert(all[0].message === 'Sandbox created', JSON.stringify(all[0]))
+    assert(all.some(e => e.message === 'Process started' && e.fields.cmd.includes('echo hi')), 'echo hi started')
+    const bad = await api.GET('/v2/sandboxes/{sandboxID}/logs', { params: { path, query: { direction: 'up' } } })
+    assert(bad.response.status === 400, 'bad direction: ' + bad.response.status)
+    let ms = []
+    for (let i = 0; i < 100 && ms.length < 3; i++) {
+      ms = await sbx.getMetrics()
+      await new Promise(res => setTimeout(res, 100))
+    }
+    assert(ms.length >= 3, 'samples: ' + ms.length)
+    const t = ms.map(m => new Date(m.timestamp).getTime())
+    assert(t.every((x, i) => i === 0 || x > t[i - 1]), 'increasing times ' + JSON.stringify(t))
+  }],
   ['files', async () => {
     await sbx.files.write('/tmp/npm.txt', 'hello from npm')
     const s = await sbx.files.read('/tmp/npm.txt')

@@ -11,7 +11,7 @@ from conftest import TEMPLATE
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VERSIONS = sorted(d.split("-", 1)[1] for d in os.listdir(os.path.join(HERE, "npm")) if d.startswith("e2b-"))
-CASES = ["create_metadata_envs", "commands", "files", "get_info", "list_filters_paging", "set_timeout",
+CASES = ["create_metadata_envs", "commands", "history", "files", "get_info", "list_filters_paging", "set_timeout",
          "pause_connect", "auto_pause_resume", "refused_network_policy", "kill", "not_found_404",
          "wrong_key_401"]
 

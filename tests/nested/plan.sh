@@ -37,15 +37,40 @@ ip link add eth0 type dummy && ip addr add 192.0.2.10/24 dev eth0 && ip link set
 hostname nested-l1
 W=$(mktemp -d /var/tmp/nested.XXXXXX)
 
+# A step that passes its limit is stopped, with what L1's processes were waiting on and the
+# kernel's last words in its log; it reports "FAIL <step> <seconds> timeout" (run.sh retries
+# those once in a fresh L1: TCG has been seen to wedge a guest).
+STEP_LIMIT=${NESTED_STEP_LIMIT:-600}
 step() {
-	local name=$1 t0 t1 res
+	local name=$1 t0 t1 res rc why=""
 	shift
 	[[ " $NESTED_STEPS " == *" $name "* ]] || return 0
 	console "step $name"
+	echo "$name" >"$R/current"
 	t0=$(date +%s.%N)
-	if (cd "$REPO" && "$@") >"$R/$name.log" 2>&1; then res=PASS; else res=FAIL; fi
+	(cd "$REPO" && timeout -k 10 "$STEP_LIMIT" bash -c '"$@"' "$name" "$@") >"$R/$name.log" 2>&1
+	rc=$?
 	t1=$(date +%s.%N)
-	printf '%s %s %s\n' "$res" "$name" "$(awk "BEGIN {printf \"%.1f\", $t1 - $t0}")" | tee -a "$R/steps" >/dev/console
+	if ((rc == 0)); then
+		res=PASS
+	else
+		res=FAIL
+		if ((rc == 124 || rc == 137)); then
+			why=" timeout"
+			{
+				echo "nested: step $name passed its ${STEP_LIMIT}s limit; what L1 was doing:"
+				ps -eo pid,ppid,stat,wchan:32,etimes,args
+				for p in /proc/[0-9]*; do
+					[[ $(awk '{print $3}' "$p/stat" 2>/dev/null) == D ]] || continue
+					echo "--- ${p#/proc/} (D) $(tr '\0' ' ' <"$p/cmdline" 2>/dev/null)"
+					cat "$p/stack" 2>/dev/null
+				done
+				echo "--- dmesg (last 40 lines)"
+				dmesg | tail -n 40
+			} >>"$R/$name.log" 2>&1
+		fi
+	fi
+	printf '%s %s %s%s\n' "$res" "$name" "$(awk "BEGIN {printf \"%.1f\", $t1 - $t0}")" "$why" | tee -a "$R/steps" >/dev/console
 }
 
 l1_kvm() {
@@ -75,6 +100,8 @@ boot() {
 	grep -a "$expect" "$W/$how.out" || { echo "cube-hypervisor did not report: $expect"; return 1; }
 }
 
+export W
+export -f l1_kvm boot
 step l1-kvm l1_kvm
 step boot-reset boot reboot "guest requested a reset"
 step boot-halt boot poweroff "guest halted"
@@ -89,6 +116,7 @@ hypervisor_suites() {
 	return $rc
 }
 
+export -f hypervisor_suites
 step hypervisor-suites hypervisor_suites
 step shim-linux-guest bash -c 'cd cube-shim && "$TEST_LINUX_GUEST" --nocapture'
 step shim-linux-xstate bash -c 'cd cube-shim && "$TEST_LINUX_XSTATE" --nocapture'

@@ -7,6 +7,8 @@
 #   tests/nested/run.sh [--timeout S] [--mem MIB] [--only STEP,...] [--keep]
 #
 #   --timeout S  stop L1 after S seconds (default 2400); a step that has not reported by then fails
+#                (NESTED_STEP_LIMIT, default 600 s, stops one step; a timed-out or stalled step is
+#                run once more in a fresh L1, and the first try's log is printed)
 #   --mem MIB    L1 memory (default 10240)
 #   --only S,..  run only these steps of tests/nested/steps (debugging; CI runs them all)
 #   --keep       keep the results directory (its path is printed)
@@ -27,7 +29,7 @@ mem=10240
 keep=0
 only=""
 die() { echo "nested: FAIL: $*" >&2; exit 1; }
-usage() { sed -n '2,21p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,23p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2; }
 while [[ $# -gt 0 ]]; do
 	case "$1" in
 	--timeout) [[ $# -ge 2 ]] || usage; timeout_s=$2; shift 2 ;;
@@ -97,20 +99,21 @@ for t in linux_guest linux_xstate microvm "${hv_tests[@]}"; do
 done
 
 work=$(mktemp -d /var/tmp/cube-nested.XXXXXX)
-results=$work/results
-mkdir -p "$results"
 cleanup() { if ((keep)); then echo "nested: results kept in $work"; else rm -rf "$work"; fi; }
 trap cleanup EXIT
-{
-	printf 'export REPO=%q\n' "$repo"
-	printf 'export CARGO_TARGET_DIR=%q CUBE_AGENT_BIN=%q CUBE_GUEST_KERNEL=%q CUBE_VENV_ROOT=%q\n' \
-		"$CARGO_TARGET_DIR" "$agent" "$guest" "$venvs"
-	printf 'export L1_MODULES=%q\n' "$moddir"
-	printf 'export NESTED_STEPS=%q\n' "$(echo $steps)"
-	printf 'export TEST_LINUX_GUEST=%q TEST_LINUX_XSTATE=%q TEST_CUBELET_MICROVM=%q\n' \
-		"$(tbin linux_guest)" "$(tbin linux_xstate)" "$(tbin microvm)"
-	printf 'export TEST_HYPERVISOR=%q\n' "$(for t in "${hv_tests[@]}"; do printf '%s ' "$(tbin "$t")"; done)"
-} >"$results/env"
+# One results directory per boot of L1 (results.1, and results.2 for a retry).
+write_env() { # <results dir> <steps>
+	{
+		printf 'export REPO=%q\n' "$repo"
+		printf 'export CARGO_TARGET_DIR=%q CUBE_AGENT_BIN=%q CUBE_GUEST_KERNEL=%q CUBE_VENV_ROOT=%q\n' \
+			"$CARGO_TARGET_DIR" "$agent" "$guest" "$venvs"
+		printf 'export L1_MODULES=%q\n' "$moddir"
+		printf 'export NESTED_STEPS=%q NESTED_STEP_LIMIT=%q\n' "$(echo $2)" "$step_limit"
+		printf 'export TEST_LINUX_GUEST=%q TEST_LINUX_XSTATE=%q TEST_CUBELET_MICROVM=%q\n' \
+			"$(tbin linux_guest)" "$(tbin linux_xstate)" "$(tbin microvm)"
+		printf 'export TEST_HYPERVISOR=%q\n' "$(for t in "${hv_tests[@]}"; do printf '%s ' "$(tbin "$t")"; done)"
+	} >"$1/env"
+}
 
 # The L1 initramfs: busybox, the modules that reach the 9p root, and init.
 stage=$work/initramfs
@@ -145,41 +148,105 @@ for f in rdseed sha-ni fxsr-opt misalignsse 3dnowprefetch osvw topoext nrip-save
 	xsave xsaveopt xsavec xgetbv1 avx avx2 fma f16c; do cpu+=,-$f; done
 # cache=loose: nothing on the host changes while L1 runs. The results share is uncached, so a
 # step's report is on the host as soon as it is written.
-echo "nested: booting L1 ($pkg, TCG, EPYC+svm+npt, 2 vCPUs, ${mem} MiB), plan tests/nested/plan.sh"
+#
+# boot_l1 <n> <steps>: one boot of L1 running those steps, stopped at the overall deadline or
+# when no step has started or reported for $stall_s (L1 itself wedged: its own per-step limit
+# would have fired otherwise). Sets l1_rc (qemu's status) and l1_stalled.
+boot_l1() {
+	local n=$1 res=$work/results.$1 left last_seen seen now qpid
+	mkdir -p "$res"
+	write_env "$res" "$2"
+	left=$((deadline - $(date +%s)))
+	((left > 0)) || { l1_rc=124; l1_stalled=0; return; }
+	echo "nested: boot $n of L1 ($pkg, TCG, EPYC+svm+npt, 2 vCPUs, ${mem} MiB): $(echo $2)"
+	timeout --kill-after=10 "$left" qemu-system-x86_64 \
+		-accel tcg,thread=multi -cpu "$cpu" -smp 2 -m "$mem" \
+		-nodefaults -no-user-config -nographic -no-reboot -monitor none \
+		-serial "file:$work/console.$n.log" \
+		-kernel "$l1/root/boot/vmlinuz-$kver" -initrd "$work/initramfs.gz" \
+		-append "console=ttyS0 panic=-1 quiet loglevel=4 rdinit=/init nested.repo=$repo" \
+		-virtfs "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap" \
+		-virtfs "local,path=$res,mount_tag=results,security_model=none,multidevs=remap" \
+		>"$work/qemu.$n.log" 2>&1 &
+	qpid=$!
+	l1_stalled=0
+	last_seen=""
+	now=$(date +%s)
+	local progress=$now
+	while kill -0 "$qpid" 2>/dev/null; do
+		sleep 5
+		seen="$(cat "$res/current" 2>/dev/null || true)|$(wc -l <"$res/steps" 2>/dev/null || true)"
+		now=$(date +%s)
+		if [[ $seen != "$last_seen" ]]; then
+			last_seen=$seen
+			progress=$now
+		elif ((now - progress > stall_s)); then
+			echo "nested: L1 made no progress for ${stall_s}s in step '$(cat "$res/current" 2>/dev/null || true)'; stopping it"
+			l1_stalled=1
+			kill "$qpid" 2>/dev/null
+			break
+		fi
+	done
+	set +e
+	wait "$qpid"
+	l1_rc=$?
+	set -e
+	echo "--- L1 console, boot $n (last 30 lines)"
+	tail -n 30 "$work/console.$n.log" | sed 's/^/  /' || true
+	[[ -s $work/qemu.$n.log ]] && { echo "--- qemu"; cat "$work/qemu.$n.log"; }
+	return 0
+}
+# step_line <n> <step>: that step's report in boot n, if any.
+step_line() { awk -v s="$2" '$2 == s' "$work/results.$1/steps" 2>/dev/null | tail -n1 || true; }
+
+step_limit=${NESTED_STEP_LIMIT:-600}
+# Longer than the per-step limit inside L1, which reports a timed-out step itself when it can.
+stall_s=$((step_limit + 120))
 start=$(date +%s)
-set +e
-timeout --kill-after=10 "$timeout_s" qemu-system-x86_64 \
-	-accel tcg,thread=multi -cpu "$cpu" -smp 2 -m "$mem" \
-	-nodefaults -no-user-config -nographic -no-reboot -monitor none \
-	-serial "file:$work/console.log" \
-	-kernel "$l1/root/boot/vmlinuz-$kver" -initrd "$work/initramfs.gz" \
-	-append "console=ttyS0 panic=-1 quiet loglevel=4 rdinit=/init nested.repo=$repo" \
-	-virtfs "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap" \
-	-virtfs "local,path=$results,mount_tag=results,security_model=none,multidevs=remap" \
-	>"$work/qemu.log" 2>&1
-rc=$?
-set -e
+deadline=$((start + timeout_s))
+boot_l1 1 "$steps"
+rc1=$l1_rc
+stalled1=$l1_stalled
+# A step that timed out, or never reported because L1 stopped, runs once more in a fresh L1
+# (after l1-kvm, which loads kvm-amd): TCG has been seen to wedge L1 (soft lockups, RCU stalls,
+# or simply no progress). A step that failed by itself is not retried. The first try's log is
+# printed either way.
+retry=""
+while read -r step; do
+	[[ -z $step ]] && continue
+	line=$(step_line 1 "$step")
+	if [[ -z $line || $line == *" timeout" ]]; then retry+=" $step"; fi
+done <<<"$steps"
+if [[ -n $retry ]] && ((rc1 != 124 && rc1 != 137 || stalled1)); then
+	for step in $retry; do
+		echo "nested: RETRY $step: $( [[ -n $(step_line 1 "$step") ]] && echo "timed out" || echo "did not report") in boot 1; its log there (last 60 lines):"
+		tail -n 60 "$work/results.1/$step.log" 2>/dev/null | sed 's/^/    /'
+	done
+	boot_l1 2 "l1-kvm$retry"
+fi
 wall=$(($(date +%s) - start))
 
-echo "--- L1 console (last 30 lines)"
-tail -n 30 "$work/console.log" | sed 's/^/  /' || true
-[[ -s $work/qemu.log ]] && { echo "--- qemu"; cat "$work/qemu.log"; }
 echo "--- steps (L1's clock, seconds)"
 failures=0
 # Each step's outcome also goes to tests/run.sh's suite log (tests/suites.py checks it).
 slog() { if [[ -n ${CUBE_SUITE_LOG:-} ]]; then echo "$1" >>"$CUBE_SUITE_LOG"; fi; }
 while read -r step; do
 	[[ -z $step ]] && continue
-	line=$(awk -v s="$step" '$2 == s' "$results/steps" 2>/dev/null | tail -n1)
+	line=$(step_line 1 "$step")
+	n=1
+	if [[ " $retry " == *" $step "* && -f $work/results.2/env ]]; then
+		line=$(step_line 2 "$step")
+		n=2
+	fi
 	case "$line" in
-	PASS*) echo "  $line"; slog "RAN     nested nested/$step" ;;
+	PASS*) echo "  $line$( ((n == 2)) && echo " (boot 2, after a stall in boot 1)")"; slog "RAN     nested nested/$step" ;;
 	FAIL*)
-		echo "  $line"; failures=$((failures + 1)); slog "FAILED  nested nested/$step: failed in L1"
-		echo "  --- $step log (last 60 lines)"; tail -n 60 "$results/$step.log" 2>/dev/null | sed 's/^/    /' ;;
+		echo "  $line (boot $n)"; failures=$((failures + 1)); slog "FAILED  nested nested/$step: failed in L1"
+		echo "  --- $step log (last 60 lines)"; tail -n 60 "$work/results.$n/$step.log" 2>/dev/null | sed 's/^/    /' ;;
 	*) echo "  MISSING $step (did not report)"; failures=$((failures + 1)) ;;
 	esac
 done <<<"$steps"
-((rc == 124 || rc == 137)) && { echo "nested: L1 did not finish within ${timeout_s}s"; failures=$((failures + 1)); }
-echo "nested: L1 wall time ${wall}s (qemu rc $rc)"
+((l1_rc == 124 || l1_rc == 137)) && ((!l1_stalled)) && { echo "nested: L1 did not finish within ${timeout_s}s"; failures=$((failures + 1)); }
+echo "nested: L1 wall time ${wall}s (qemu rc $rc1${retry:+, then $l1_rc for the retry})"
 ((failures == 0)) || die "$failures step(s) failed or missing"
 echo "nested: all steps passed"

@@ -298,6 +298,24 @@ impl Node for Handle {
     async fn sandbox_stats(&self, _r: Request<pb::SandboxRef>) -> R<pb::SandboxStatsResponse> {
         Err(Status::unimplemented("fake"))
     }
+    /// The node's answer names the sandbox, so a test sees which node was asked.
+    async fn sandbox_metrics(
+        &self,
+        _r: Request<pb::SandboxMetricsRequest>,
+    ) -> R<pb::SandboxMetricsResponse> {
+        Err(Status::unimplemented("fake"))
+    }
+    async fn sandbox_logs(&self, r: Request<pb::SandboxLogsRequest>) -> R<pb::SandboxLogsResponse> {
+        let r = r.into_inner();
+        Ok(Response::new(pb::SandboxLogsResponse {
+            entries: vec![pb::LogEntry {
+                timestamp_ms: 1,
+                level: "info".into(),
+                message: format!("log of {}", r.sandbox_id),
+                fields: Default::default(),
+            }],
+        }))
+    }
     async fn set_egress(&self, r: Request<pb::SetEgressRequest>) -> R<pb::Sandbox> {
         let r = r.into_inner();
         let st = self

@@ -3,6 +3,7 @@
 //! parts it shares with it. Nothing here asks which runtime it has.
 
 mod defaults;
+mod history;
 mod pools;
 mod recovery;
 
@@ -49,6 +50,8 @@ pub struct Node {
     pub selection: Selection,
     registry: Mutex<HashMap<String, Entry>>,
     refiller: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// Each sandbox's samples and log (`history.rs` fills and reads it).
+    pub journal: crate::journal::Journal,
 }
 
 /// Sandbox ids: what E2B hosts and the edge router accept.
@@ -152,12 +155,14 @@ impl Node {
         });
         let runtime = crate::runtime::build(&selection, host.clone())
             .with_context(|| format!("runtime {:?}", selection.runtime))?;
+        let journal = crate::journal::Journal::new(host.cfg.journal.clone());
         let node = Arc::new(Node {
             host,
             runtime,
             selection,
             registry: Mutex::new(HashMap::new()),
             refiller: Mutex::new(None),
+            journal,
         });
         node.recover().await;
         node.readopt_switch().await?;
@@ -312,6 +317,22 @@ impl Node {
                     .with_label_values(&[if c.from_pool { "true" } else { "false" }])
                     .observe(t0.elapsed().as_secs_f64());
                 tracing::info!(id = %st.id, template = %st.template, runtime = st.runtime.name(), from_pool = c.from_pool, latency_us = st.create_latency_us, "sandbox ready");
+                self.journal.begin(
+                    &st.id,
+                    st.created_at_ms,
+                    Some(req.access_token.clone()).filter(|t| !t.is_empty()),
+                );
+                self.journal.event(
+                    &st.id,
+                    "info",
+                    "Sandbox created",
+                    &[
+                        ("template", &st.template),
+                        ("build", &st.build),
+                        ("runtime", st.runtime.name()),
+                        ("createUs", &st.create_latency_us.to_string()),
+                    ],
+                );
                 self.update_gauges();
                 h.wake.notify_one();
                 Ok(st)
@@ -347,8 +368,14 @@ impl Node {
             Err(e) => return Err(e),
         };
         let st = e.lock().await;
+        if st.phase == Phase::Running {
+            // What the agent logged last, before it goes (briefly: a kill must stay quick).
+            self.pull_agent_log(&st, history::LAST_PULL_TIMEOUT).await;
+        }
         let t0 = Instant::now();
         self.destroy(id, &st).await;
+        self.journal.event(id, "info", "Sandbox killed", &[]);
+        self.journal.end(id, crate::template::now_ms());
         tracing::debug!(id, us = t0.elapsed().as_micros() as u64, "killed");
         self.registry
             .lock()
@@ -399,6 +426,18 @@ impl Node {
         if r.is_ok() {
             st.phase = to;
         }
+        let what = if pause { "paused" } else { "resumed" };
+        match &r {
+            Ok(()) => self
+                .journal
+                .event(id, "info", &format!("Sandbox {what}"), &[]),
+            Err(e) => self.journal.event(
+                id,
+                "error",
+                &format!("Sandbox could not be {what}"),
+                &[("error", &e.to_string())],
+            ),
+        }
         // What the runtime recorded counts even when it failed part-way.
         let saved = self.host.save(id, &st);
         let out = st.clone();
@@ -442,6 +481,16 @@ impl Node {
                 "sandbox {id}: this node has no switch, so egress rules cannot be enforced"
             )));
         }
+        self.journal.event(
+            id,
+            "info",
+            "Network policy updated",
+            &[
+                ("internet", &policy.internet.to_string()),
+                ("allowOut", &policy.allow_cidrs.join(",")),
+                ("denyOut", &policy.deny_cidrs.join(",")),
+            ],
+        );
         st.policy = policy;
         self.host.save(id, &st)?;
         Ok(st.clone())

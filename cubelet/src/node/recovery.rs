@@ -22,6 +22,15 @@ impl Node {
                 Ok(st) if self.readoptable(&st, &name) => {
                     tracing::info!(id = %st.id, pid = st.pid, phase = ?st.phase, runtime = st.runtime.name(), "re-adopted sandbox");
                     live.push(st.clone());
+                    // The access token is not on disk: a secure sandbox's agent log is not
+                    // pulled again until it is re-created (its samples still are).
+                    self.journal.begin(&st.id, st.created_at_ms, None);
+                    self.journal.event(
+                        &st.id,
+                        "info",
+                        "Sandbox re-adopted by a restarted node",
+                        &[],
+                    );
                     let e: Entry = Arc::new(tokio::sync::Mutex::new(st));
                     self.registry
                         .lock()
