@@ -619,15 +619,18 @@ async fn pause(
     check_id(&id)?;
     let mut b = Fields::parse(&body, true)?;
     memory_kept(&mut b, "pause")?;
-    if b.bool("requireHealthyGuest")? == Some(true) {
-        return Err(unsupported(
-            "requireHealthyGuest",
-            "a pause does not check the guest's agent first",
-        ));
-    }
+    // SDK `pause(strict=True)`: refused with 503, the sandbox running, while its agent does
+    // not answer.
+    let require_healthy_guest = b.bool("requireHealthyGuest")?.unwrap_or(false);
     b.finish()?;
     let mut m = st.master.clone();
-    let r = m.pause_sandbox(sref(&team, &id)).await;
+    let r = m
+        .pause_sandbox(pb::PauseSandboxRequest {
+            team_id: team.0.clone(),
+            sandbox_id: id.clone(),
+            require_healthy_guest,
+        })
+        .await;
     st.invalidate(&id);
     r?;
     Ok(StatusCode::NO_CONTENT.into_response())

@@ -322,7 +322,7 @@ impl Controller {
                     } else if r.state == SandboxState::Paused.as_str() {
                         Ok("paused")
                     } else {
-                        match self.pause("", &sid).await {
+                        match self.pause("", &sid, false).await {
                             Ok(_) => Ok("paused"),
                             // Paused meanwhile by someone else: the outcome is the same.
                             Err(MasterError::FailedPrecondition(m))

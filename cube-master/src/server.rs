@@ -184,10 +184,13 @@ impl Master for MasterService {
 
     async fn pause_sandbox(
         &self,
-        req: Request<pb::SandboxRef>,
+        req: Request<pb::PauseSandboxRequest>,
     ) -> Result<Response<pb::SandboxInfo>, Status> {
         let r = req.into_inner();
-        let row = self.ctl.pause(&r.team_id, &r.sandbox_id).await?;
+        let row = self
+            .ctl
+            .pause(&r.team_id, &r.sandbox_id, r.require_healthy_guest)
+            .await?;
         Ok(Response::new(to_info(&self.ctl, &row)))
     }
 

@@ -14,6 +14,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tracing::Instrument;
 
 /// Parameters of a create.
 #[derive(Debug, Clone, Default)]
@@ -402,79 +403,85 @@ impl Controller {
         let _g = lock.lock().await;
         self.db.insert_sandbox(&row).await?;
         let span = tracing::info_span!("create", sandbox = %row.id, template = %p.template);
-        let _e = span.enter();
-        let mut last_err = None;
-        for n in cands {
-            match self.create_on(&n, &row, &p, pinned_snapshot).await {
-                Ok(sb) => {
-                    self.nodes.placed(&n.address);
-                    row.node_id = n.id();
-                    row.agent_address = sb.agent_address.clone();
-                    row.host_interface = sb.host_interface.clone();
-                    row.build = sb.build.clone();
-                    row.runtime = sb.runtime.clone();
-                    row.disk_mib = sb.shape.as_ref().map(|s| s.disk_mib as i64).unwrap_or(0);
-                    row.envd_version = self
-                        .probe_envd_version(&row.agent_address, &row.host_interface)
-                        .await
-                        .unwrap_or_else(|| self.cfg.default_envd_version.clone());
-                    self.db.set_placement(&row).await?;
-                    // The timeout counts from when the sandbox is usable.
-                    let start = crate::now_ms();
-                    row.started_at_ms = start;
-                    row.end_at_ms = start + (p.timeout_s as i64) * 1000;
-                    self.db.set_end(&row.id, row.end_at_ms).await?;
-                    if !self
-                        .db
-                        .transition(
-                            &row.id,
-                            SandboxState::Creating,
-                            SandboxState::Running,
-                            "created",
-                        )
-                        .await?
-                    {
-                        return Err(MasterError::Internal(format!(
-                            "sandbox {} left creating meanwhile",
-                            row.id
-                        )));
+        // Instrumented, not `span.enter()`: a guard held across an await corrupts the
+        // subscriber's per-thread span stack once the task moves threads (under load the
+        // registry panicked, "tried to clone a span that already closed", failing the create).
+        async {
+            let mut last_err = None;
+            for n in cands {
+                match self.create_on(&n, &row, &p, pinned_snapshot).await {
+                    Ok(sb) => {
+                        self.nodes.placed(&n.address);
+                        row.node_id = n.id();
+                        row.agent_address = sb.agent_address.clone();
+                        row.host_interface = sb.host_interface.clone();
+                        row.build = sb.build.clone();
+                        row.runtime = sb.runtime.clone();
+                        row.disk_mib = sb.shape.as_ref().map(|s| s.disk_mib as i64).unwrap_or(0);
+                        row.envd_version = self
+                            .probe_envd_version(&row.agent_address, &row.host_interface)
+                            .await
+                            .unwrap_or_else(|| self.cfg.default_envd_version.clone());
+                        self.db.set_placement(&row).await?;
+                        // The timeout counts from when the sandbox is usable.
+                        let start = crate::now_ms();
+                        row.started_at_ms = start;
+                        row.end_at_ms = start + (p.timeout_s as i64) * 1000;
+                        self.db.set_end(&row.id, row.end_at_ms).await?;
+                        if !self
+                            .db
+                            .transition(
+                                &row.id,
+                                SandboxState::Creating,
+                                SandboxState::Running,
+                                "created",
+                            )
+                            .await?
+                        {
+                            return Err(MasterError::Internal(format!(
+                                "sandbox {} left creating meanwhile",
+                                row.id
+                            )));
+                        }
+                        row.state = SandboxState::Running.as_str().into();
+                        tracing::info!(node = %row.node_id, agent = %row.agent_address, "sandbox running");
+                        return Ok(row);
                     }
-                    row.state = SandboxState::Running.as_str().into();
-                    tracing::info!(node = %row.node_id, agent = %row.agent_address, "sandbox running");
-                    return Ok(row);
-                }
-                Err(e) => {
-                    tracing::warn!(node = %n.address, error = %e, "create failed on node");
-                    // Whatever the node managed to set up goes (kill is idempotent).
-                    let mut c = n.client.clone();
-                    let _ = tokio::time::timeout(
-                        Duration::from_secs(30),
-                        c.kill_sandbox(node::SandboxRef {
-                            sandbox_id: row.id.clone(),
-                        }),
-                    )
-                    .await;
-                    let fatal = matches!(&e, MasterError::Node { status, .. }
-                        if status.code() == tonic::Code::InvalidArgument);
-                    last_err = Some(e);
-                    self.metrics.failovers.inc();
-                    if fatal {
-                        break;
+                    Err(e) => {
+                        tracing::warn!(node = %n.address, error = %e, "create failed on node");
+                        // Whatever the node managed to set up goes (kill is idempotent).
+                        let mut c = n.client.clone();
+                        let _ = tokio::time::timeout(
+                            Duration::from_secs(30),
+                            c.kill_sandbox(node::SandboxRef {
+                                sandbox_id: row.id.clone(),
+                            }),
+                        )
+                        .await;
+                        let fatal = matches!(&e, MasterError::Node { status, .. }
+                            if status.code() == tonic::Code::InvalidArgument);
+                        last_err = Some(e);
+                        self.metrics.failovers.inc();
+                        if fatal {
+                            break;
+                        }
                     }
                 }
             }
+            let err = last_err.unwrap_or_else(|| MasterError::Unavailable("no node".into()));
+            let _ = self
+                .db
+                .transition(
+                    &row.id,
+                    SandboxState::Creating,
+                    SandboxState::Failed,
+                    &err.to_string(),
+                )
+                .await;
+            Err(err)
         }
-        let err = last_err.unwrap_or_else(|| MasterError::Unavailable("no node".into()));
-        let _ = self
-            .db
-            .transition(
-                &row.id,
-                SandboxState::Creating,
-                SandboxState::Failed,
-                &err.to_string(),
-            )
-            .await;
-        Err(err)
+        .instrument(span)
+        .await
     }
 
     async fn create_on(
@@ -735,10 +742,37 @@ impl Controller {
         }
     }
 
-    pub async fn pause(&self, team: &str, id: &str) -> Result<SandboxRow, MasterError> {
+    /// A pause; `require_healthy_guest` first asks the node whether the sandbox's agent answers
+    /// and refuses (Unavailable, the sandbox keeps running) when it does not.
+    pub async fn pause(
+        &self,
+        team: &str,
+        id: &str,
+        require_healthy_guest: bool,
+    ) -> Result<SandboxRow, MasterError> {
         let lock = self.lock_for(id);
         let _g = lock.lock().await;
         let row = self.visible(team, id).await?;
+        if require_healthy_guest && row.state()? == SandboxState::Running {
+            let n = self.node_of(&row)?;
+            let mut c = n.client.clone();
+            let h = c
+                .guest_health(node::SandboxRef {
+                    sandbox_id: id.to_string(),
+                })
+                .await
+                .map_err(|s| MasterError::Node {
+                    node: n.address.clone(),
+                    status: Box::new(s),
+                })?
+                .into_inner();
+            if !h.healthy {
+                return Err(MasterError::Unavailable(format!(
+                    "Sandbox \"{id}\" was not paused: its guest agent does not answer ({}); it keeps running, retry later",
+                    h.detail
+                )));
+            }
+        }
         self.pause_locked(team, row, "paused").await
     }
 

@@ -84,7 +84,7 @@ async fn auto_pause_at_the_timeout(url: String) {
         "{end} vs {before}"
     );
     // A manual pause keeps it for the retention too.
-    ctl.pause("t", &keep.id).await.unwrap();
+    ctl.pause("t", &keep.id, false).await.unwrap();
     let p = ctl.get("t", &keep.id).await.unwrap();
     assert!(p.end_at_ms > cube_master::now_ms() + 29 * DAY_MS);
     // autoResume alone cannot be satisfied: refused.
@@ -215,7 +215,7 @@ async fn egress_rules(url: String) {
         .await
         .unwrap_err();
     assert!(matches!(e, MasterError::NotFound(_)), "{e:?}");
-    ctl.pause("t", &row.id).await.unwrap();
+    ctl.pause("t", &row.id, false).await.unwrap();
     ctl.update_network("t", &row.id, false, Default::default())
         .await
         .unwrap();
@@ -290,3 +290,31 @@ async fn history_outlives_the_sandbox(url: String) {
     assert!(matches!(e, MasterError::NotFound(_)), "{e:?}");
 }
 both_backends!(history, super::history_outlives_the_sandbox);
+
+/// A strict pause (requireHealthyGuest) asks the node first: an agent that does not answer
+/// leaves the sandbox running and the pause refused as Unavailable (503); a plain pause does
+/// not ask.
+async fn strict_pause_needs_a_healthy_guest(url: String) {
+    let node = FakeNode::new("strict");
+    let ctl = controller_on(&url, &node).await;
+    let row = ctl.create(params(600)).await.unwrap();
+    node.unhealthy.lock().unwrap().insert(row.id.clone());
+    let e = ctl.pause("t", &row.id, true).await.unwrap_err();
+    assert!(
+        matches!(e, MasterError::Unavailable(ref m) if m.contains("does not answer")),
+        "{e:?}"
+    );
+    assert_eq!(ctl.get("t", &row.id).await.unwrap().state, "running");
+    assert_eq!(node.pauses.load(std::sync::atomic::Ordering::SeqCst), 0);
+    node.unhealthy.lock().unwrap().clear();
+    let p = ctl.pause("t", &row.id, true).await.unwrap();
+    assert_eq!(p.state, "paused");
+    // A plain pause of an unresponsive one goes ahead (E2B's default).
+    let other = ctl.create(params(600)).await.unwrap();
+    node.unhealthy.lock().unwrap().insert(other.id.clone());
+    assert_eq!(
+        ctl.pause("t", &other.id, false).await.unwrap().state,
+        "paused"
+    );
+}
+both_backends!(strict_pause, super::strict_pause_needs_a_healthy_guest);

@@ -219,7 +219,7 @@ async fn heartbeat_timeout(url: String) {
     let secret = registered(&ctl, &node, &addr).await;
     let a = ctl.create(params()).await.unwrap();
     let b = ctl.create(params()).await.unwrap();
-    ctl.pause("t", &b.id).await.unwrap();
+    ctl.pause("t", &b.id, false).await.unwrap();
     assert_eq!((a.node_id.as_str(), node.count()), ("hb", 2));
     // Silence for longer than 2 intervals: not ready, and its sandboxes are reported lost.
     until_not_ready(&ctl).await;
@@ -242,7 +242,7 @@ async fn heartbeat_timeout(url: String) {
         Err(MasterError::Unavailable(_))
     ));
     assert!(matches!(
-        ctl.pause("t", &a.id).await,
+        ctl.pause("t", &a.id, false).await,
         Err(MasterError::FailedPrecondition(_))
     ));
     // Killing one while the node is away is recorded at once; the node drops it on return.
@@ -385,7 +385,7 @@ async fn drain(url: String) {
     for _ in 0..4 {
         ids.push(ctl.create(params()).await.unwrap().id);
     }
-    ctl.pause("t", &ids[0]).await.unwrap();
+    ctl.pause("t", &ids[0], false).await.unwrap();
     let r = ctl.drain_node("dr", false).await.unwrap();
     assert!(r.node.unwrap().cordoned);
     assert_eq!(r.sandboxes.len(), 4);

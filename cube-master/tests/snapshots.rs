@@ -285,6 +285,9 @@ impl Node for Handle {
     ) -> R<pb::SandboxLogsResponse> {
         Err(Status::unimplemented("fake"))
     }
+    async fn guest_health(&self, _r: Request<pb::SandboxRef>) -> R<pb::GuestHealthResponse> {
+        Err(Status::unimplemented("fake"))
+    }
 }
 
 async fn serve(n: Arc<FakeNode>) -> String {

@@ -206,7 +206,11 @@ pub async fn run(cmd: SandboxCmd, m: &mut Master, as_json: bool) -> anyhow::Resu
         }
         SandboxCmd::Pause { id } => {
             let s = m
-                .pause_sandbox(sref(&id))
+                .pause_sandbox(pb::PauseSandboxRequest {
+                    team_id: String::new(),
+                    sandbox_id: id.clone(),
+                    require_healthy_guest: false,
+                })
                 .await
                 .ctx(format!("pausing sandbox {id}"))?;
             if as_json {

@@ -480,6 +480,14 @@ impl pb::node_server::Node for NodeService {
         Ok(Response::new(pb::SandboxLogsResponse { entries }))
     }
 
+    async fn guest_health(
+        &self,
+        req: Request<pb::SandboxRef>,
+    ) -> Result<Response<pb::GuestHealthResponse>, Status> {
+        let (healthy, detail) = self.node.guest_health(&req.into_inner().sandbox_id).await?;
+        Ok(Response::new(pb::GuestHealthResponse { healthy, detail }))
+    }
+
     async fn node_status(
         &self,
         _req: Request<pb::NodeStatusRequest>,

@@ -4,6 +4,7 @@ Cube does not implement refused by name (never accepted and ignored)."""
 
 import datetime
 import json
+import os
 import threading
 import time
 import urllib.error
@@ -12,7 +13,7 @@ import uuid
 
 import pytest
 from e2b import Sandbox, SandboxQuery, SandboxState
-from e2b.exceptions import SandboxException
+from e2b.exceptions import SandboxException, ServiceBusyException
 
 from conftest import TEMPLATE
 from test_sdk import api, live_ids
@@ -232,6 +233,48 @@ def test_unknown_and_unimplemented_request_fields_are_refused(cube):
         st, body, _ = api(cube, "POST", f"/sandboxes/{sbx.sandbox_id}/timeout", {"timeout": 60, "y": 2})
         assert st == 400 and "y" in body["message"]
     finally:
+        sbx.kill()
+
+
+def freezer_of(cube, sandbox_id):
+    """(control file, frozen, thawed) of the sandbox's freezer cgroup on the host: freezing it
+    makes its agent stop answering without the sandbox knowing."""
+    with open(os.path.join(cube.root, "data", "sandboxes", sandbox_id, "state.json")) as f:
+        key = json.load(f)["body"]["key"]
+    parent = "cube-" + os.path.basename(cube.root)[len("cube-e2e-"):]
+    v1 = f"/sys/fs/cgroup/freezer/{parent}/{key}/freezer.state"
+    if os.path.exists(v1):
+        return v1, "FROZEN", "THAWED"
+    return f"/sys/fs/cgroup/{parent}/{key}/cgroup.freeze", "1", "0"
+
+
+def test_strict_pause_is_refused_while_the_agent_does_not_answer(cube):
+    sbx = Sandbox.create(TEMPLATE, timeout=120)
+    ctl, frozen, thawed = freezer_of(cube, sbx.sandbox_id)
+    try:
+        sbx.files.write("/tmp/strict.txt", "kept")
+        with open(ctl, "w") as f:
+            f.write(frozen)
+        # requireHealthyGuest: 503 (the SDK's ServiceBusyException), and it keeps running.
+        with pytest.raises(ServiceBusyException) as e:
+            sbx.pause(strict=True)
+        assert "does not answer" in str(e.value), str(e.value)
+        assert Sandbox.get_info(sbx.sandbox_id).state.value == "running"
+        with open(ctl, "w") as f:
+            f.write(thawed)
+        assert sbx.pause(strict=True) is True
+        assert Sandbox.get_info(sbx.sandbox_id).state.value == "paused"
+        back = Sandbox.connect(sbx.sandbox_id, timeout=60)
+        assert back.files.read("/tmp/strict.txt") == "kept"
+        st, body, _ = api(cube, "POST", f"/sandboxes/{sbx.sandbox_id}/pause",
+                          {"requireHealthyGuest": "yes"})
+        assert st == 400 and "requireHealthyGuest" in body["message"], body
+    finally:
+        try:
+            with open(ctl, "w") as f:
+                f.write(thawed)
+        except OSError:
+            pass
         sbx.kill()
 
 

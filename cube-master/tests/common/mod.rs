@@ -149,6 +149,8 @@ pub struct FakeNode {
     pub kills: AtomicU32,
     /// The egress each sandbox's switch has: (internet, allow CIDRs, deny CIDRs).
     pub egress: Mutex<BTreeMap<String, Egress>>,
+    /// Sandboxes whose agent does not answer (GuestHealth says so).
+    pub unhealthy: Mutex<std::collections::BTreeSet<String>>,
 }
 
 impl FakeNode {
@@ -297,6 +299,21 @@ impl Node for Handle {
     }
     async fn sandbox_stats(&self, _r: Request<pb::SandboxRef>) -> R<pb::SandboxStatsResponse> {
         Err(Status::unimplemented("fake"))
+    }
+    async fn guest_health(&self, r: Request<pb::SandboxRef>) -> R<pb::GuestHealthResponse> {
+        let id = r.into_inner().sandbox_id;
+        self.0
+            .state_of(&id)
+            .ok_or_else(|| Status::not_found("no such sandbox"))?;
+        let sick = self.0.unhealthy.lock().unwrap().contains(&id);
+        Ok(Response::new(pb::GuestHealthResponse {
+            healthy: !sick,
+            detail: if sick {
+                "agent timed out".into()
+            } else {
+                String::new()
+            },
+        }))
     }
     /// The node's answer names the sandbox, so a test sees which node was asked.
     async fn sandbox_metrics(

@@ -496,6 +496,24 @@ impl Node {
         Ok(st.clone())
     }
 
+    /// GuestHealth: whether a running sandbox's agent answers `/health` now.
+    pub async fn guest_health(&self, id: &str) -> Result<(bool, String), NodeError> {
+        let st = self.get(id).await?;
+        if st.phase != Phase::Running {
+            return Err(NodeError::FailedPrecondition(format!(
+                "sandbox {id} is {:?}",
+                st.phase
+            )));
+        }
+        let Some(ep) = &st.endpoint else {
+            return Ok((false, "the sandbox has no network endpoint".into()));
+        };
+        Ok(match self.host.agent(ep, st.host_addr).health().await {
+            Ok(()) => (true, String::new()),
+            Err(e) => (false, e.to_string()),
+        })
+    }
+
     /// GetSandbox.
     pub async fn get(&self, id: &str) -> Result<SandboxState, NodeError> {
         let e = self.entry(id)?;
