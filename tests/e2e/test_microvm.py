@@ -7,6 +7,7 @@ emulated there, so it is slow but real); on hosts with VMX/SVM the same test run
 """
 
 import json
+import time
 import urllib.request
 
 import pytest
@@ -53,6 +54,12 @@ def test_linux_microvm_sandbox_lifecycle_through_the_sdk(cube_microvm):
             # A snapshot of a running microVM holds its memory: a process started before it runs on
             # in sandboxes made from it (the namespace runtime keeps only files).
             a.commands.run("sleep 600", background=True)
+            # The SDK returns once the process started; it is `sleep` only once its login shell
+            # has exec'd it (slow where the guest kernel is emulated), so wait for that first.
+            deadline = time.time() + 300
+            while "sleep" not in a.commands.run(PROCESS_NAMES, **CMD).stdout.split():
+                assert time.time() < deadline, "sleep 600 never started in a"
+                time.sleep(0.5)
             snap = a.create_snapshot()
             try:
                 f = Sandbox.create(snap.snapshot_id, envs={"CUBE_WHO": "fork"}, timeout=300, **SLOW)
