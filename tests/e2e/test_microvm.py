@@ -53,7 +53,9 @@ def test_linux_microvm_sandbox_lifecycle_through_the_sdk(cube_microvm):
 
             # A snapshot of a running microVM holds its memory: a process started before it runs on
             # in sandboxes made from it (the namespace runtime keeps only files).
-            a.commands.run("sleep 600", background=True)
+            # timeout=0: no command timeout (the SDK's default 60 s would have the agent kill
+            # it, and on PVM the snapshot and the fork take about that long).
+            a.commands.run("sleep 600", background=True, timeout=0)
             # The SDK returns once the process started; it is `sleep` only once its login shell
             # has exec'd it (slow where the guest kernel is emulated), so wait for that first.
             deadline = time.time() + 300
