@@ -253,6 +253,15 @@ impl Journal {
             .contains_key(id)
     }
 
+    /// When the newest sample was taken (0: none yet).
+    pub fn newest_sample_ms(&self, id: &str) -> u64 {
+        let m = self.books.lock().unwrap_or_else(|p| p.into_inner());
+        m.get(id)
+            .and_then(|b| b.samples.back())
+            .map(|s| s.timestamp_ms)
+            .unwrap_or(0)
+    }
+
     /// Samples with `start_ms <= t <= end_ms` (0 = unbounded), oldest first.
     pub fn samples(&self, id: &str, start_ms: u64, end_ms: u64) -> Vec<pb::SandboxStatsResponse> {
         let m = self.books.lock().unwrap_or_else(|p| p.into_inner());
@@ -400,6 +409,8 @@ mod tests {
             .map(|s| s.timestamp_ms)
             .collect();
         assert_eq!(ts, [3000, 4000, 5000]);
+        assert_eq!(j.newest_sample_ms("s"), 5000);
+        assert_eq!(j.newest_sample_ms("none"), 0);
         assert_eq!(j.samples("s", 3500, 4500).len(), 1);
         assert_eq!(j.logs("s", &q(0, false, "", "")).len(), 2);
         assert_eq!(j.token("s").as_deref(), Some("tok"));

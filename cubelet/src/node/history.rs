@@ -108,12 +108,7 @@ impl Node {
     ) -> Result<Vec<pb::SandboxStatsResponse>, NodeError> {
         check_id(id)?;
         if let Ok(st) = self.get(id).await {
-            let newest = self
-                .journal
-                .samples(id, 0, 0)
-                .last()
-                .map(|s| s.timestamp_ms)
-                .unwrap_or(0);
+            let newest = self.journal.newest_sample_ms(id);
             if st.phase == Phase::Running && crate::template::now_ms().saturating_sub(newest) > 1000
             {
                 self.record_sample(&st).await;
