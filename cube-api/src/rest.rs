@@ -317,6 +317,9 @@ fn detail_json(s: &pb::SandboxInfo, cfg: &ApiConfig) -> Value {
         if !s.deny_out.is_empty() {
             network.insert("denyOut".into(), json!(s.deny_out));
         }
+        if let Some(d) = &s.dns_servers {
+            network.insert("dnsServers".into(), json!(d.servers));
+        }
         if !s.mask_request_host.is_empty() {
             network.insert("maskRequestHost".into(), json!(s.mask_request_host));
         }
@@ -386,7 +389,7 @@ fn create_request(
             }
             mask_request_host = m;
         }
-        egress = Egress::take(&mut n)?;
+        egress = Egress::take(&mut n, "network.")?;
         n.unsupported("httpsPorts", "the edge speaks plain HTTP to sandbox ports")?;
         n.finish()?;
     }
@@ -408,6 +411,7 @@ fn create_request(
         mask_request_host,
         allow_out: egress.allow_out,
         deny_out: egress.deny_out,
+        dns_servers: egress.dns_servers,
     })
 }
 
@@ -417,18 +421,33 @@ fn create_request(
 struct Egress {
     allow_out: Vec<String>,
     deny_out: Vec<String>,
+    /// Absent or `null` = not given (the node's resolver serves allowOut's domain names).
+    dns_servers: Option<pb::DnsServers>,
 }
 
 impl Egress {
-    fn take(n: &mut Fields) -> Result<Egress, ApiError> {
+    /// `at`: where these fields sit, for messages (`"network."` at create, `""` in the update
+    /// network body).
+    fn take(n: &mut Fields, at: &str) -> Result<Egress, ApiError> {
+        let bad = || ApiError::bad_request(format!("{at}dnsServers must be a list of strings"));
+        let dns_servers = match n.take("dnsServers") {
+            None => None,
+            Some(Value::Array(a)) => Some(pb::DnsServers {
+                servers: a
+                    .into_iter()
+                    .map(|v| match v {
+                        Value::String(s) => Ok(s),
+                        _ => Err(bad()),
+                    })
+                    .collect::<Result<_, _>>()?,
+            }),
+            Some(_) => return Err(bad()),
+        };
         let e = Egress {
             allow_out: n.string_list("allowOut")?,
             deny_out: n.string_list("denyOut")?,
+            dns_servers,
         };
-        n.unsupported(
-            "dnsServers",
-            "domain names in allowOut are not implemented, so there is no DNS to open",
-        )?;
         n.unsupported("egressProxy", "no egress proxy is implemented")?;
         n.unsupported("rules", "per-domain transform rules are not implemented")?;
         Ok(e)
@@ -445,7 +464,7 @@ async fn update_network(
 ) -> Result<Response, ApiError> {
     check_id(&id)?;
     let mut b = Fields::parse(&body, true)?;
-    let egress = Egress::take(&mut b)?;
+    let egress = Egress::take(&mut b, "")?;
     let allow_internet = b.bool("allow_internet_access")?.unwrap_or(true);
     b.finish()?;
     let mut m = st.master.clone();
@@ -455,6 +474,7 @@ async fn update_network(
         allow_internet,
         allow_out: egress.allow_out,
         deny_out: egress.deny_out,
+        dns_servers: egress.dns_servers,
     })
     .await?;
     Ok(StatusCode::NO_CONTENT.into_response())
@@ -842,11 +862,45 @@ mod tests {
         assert_eq!(p.mask_request_host, "localhost:${PORT}");
         assert_eq!(r.timeout_s, 300);
         // Egress lists go to the master as given (it checks the entries).
-        let e = req(r#"{"templateID":"base","network":{"allowOut":["1.1.1.1"],"denyOut":["0.0.0.0/0"],"dnsServers":[]}}"#).unwrap();
+        let e = req(r#"{"templateID":"base","network":{"allowOut":["1.1.1.1","example.com"],"denyOut":["0.0.0.0/0"],"dnsServers":[]}}"#).unwrap();
         assert_eq!(
             (e.allow_out, e.deny_out),
-            (vec!["1.1.1.1".to_string()], vec!["0.0.0.0/0".to_string()])
+            (
+                vec!["1.1.1.1".to_string(), "example.com".to_string()],
+                vec!["0.0.0.0/0".to_string()]
+            )
         );
+        // dnsServers: an empty list is one (no DNS), absent or null is none given.
+        assert_eq!(e.dns_servers, Some(pb::DnsServers { servers: vec![] }));
+        let d = req(r#"{"templateID":"base","network":{"allowOut":["*.example.com"],"dnsServers":["1.1.1.1","8.8.8.8"]}}"#).unwrap();
+        assert_eq!(
+            d.dns_servers.map(|d| d.servers),
+            Some(vec!["1.1.1.1".to_string(), "8.8.8.8".to_string()])
+        );
+        for body in [
+            r#"{"templateID":"base","network":{"dnsServers":null}}"#,
+            r#"{"templateID":"base","network":{}}"#,
+        ] {
+            assert_eq!(req(body).unwrap().dns_servers, None, "{body}");
+        }
+    }
+
+    #[test]
+    fn detail_reports_the_network() {
+        let mut s = pb::SandboxInfo {
+            allow_out: vec!["example.com".into()],
+            ..Default::default()
+        };
+        let cfg = ApiConfig::default();
+        let n = |s: &pb::SandboxInfo| detail_json(s, &cfg)["network"].clone();
+        assert_eq!(n(&s)["allowOut"], json!(["example.com"]));
+        assert!(n(&s).get("dnsServers").is_none());
+        s.dns_servers = Some(pb::DnsServers { servers: vec![] });
+        assert_eq!(n(&s)["dnsServers"], json!([]));
+        s.dns_servers = Some(pb::DnsServers {
+            servers: vec!["1.1.1.1".into()],
+        });
+        assert_eq!(n(&s)["dnsServers"], json!(["1.1.1.1"]));
     }
 
     #[test]
@@ -861,8 +915,12 @@ mod tests {
                 "network.allowOut must be a list of strings",
             ),
             (
-                r#"{"templateID":"base","network":{"dnsServers":["1.1.1.1"]}}"#,
-                "network.dnsServers",
+                r#"{"templateID":"base","network":{"dnsServers":"1.1.1.1"}}"#,
+                "network.dnsServers must be a list of strings",
+            ),
+            (
+                r#"{"templateID":"base","network":{"dnsServers":[1]}}"#,
+                "network.dnsServers must be a list of strings",
             ),
             (
                 r#"{"templateID":"base","network":{"egressProxy":{"address":"p:1080"}}}"#,

@@ -68,6 +68,8 @@ pub struct SandboxRow {
     /// E2B's allowOut / denyOut, checked ([`crate::egress::Rules::encode`]).
     pub allow_out: String,
     pub deny_out: String,
+    /// E2B's dnsServers ([`crate::egress::Rules::encode_dns`]): NULL = not given.
+    pub dns_servers: Option<String>,
 }
 
 impl SandboxRow {
@@ -91,6 +93,7 @@ impl SandboxRow {
         crate::egress::Rules {
             allow_out: crate::egress::Rules::decode(&self.allow_out),
             deny_out: crate::egress::Rules::decode(&self.deny_out),
+            dns_servers: crate::egress::Rules::decode_dns(self.dns_servers.as_deref()),
         }
     }
 }
@@ -238,9 +241,9 @@ impl Db {
              agent_address, host_interface, access_token, envd_version, metadata, vcpus, \
              memory_mib, disk_mib, runtime, started_at_ms, end_at_ms, updated_at_ms, auto_pause, \
              auto_resume, timeout_s, internet, private_ports, mask_request_host, allow_out, \
-             deny_out) \
+             deny_out, dns_servers) \
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, \
-             $20, $21, $22, $23, $24, $25, $26, $27)",
+             $20, $21, $22, $23, $24, $25, $26, $27, $28)",
         )
         .bind(&r.id)
         .bind(&r.team_id)
@@ -269,6 +272,7 @@ impl Db {
         .bind(&r.mask_request_host)
         .bind(&r.allow_out)
         .bind(&r.deny_out)
+        .bind(&r.dns_servers)
         .execute(&self.pool)
         .await?;
         Ok(())
@@ -438,7 +442,7 @@ impl Db {
         Ok(())
     }
 
-    /// A sandbox's egress configuration (PUT /sandboxes/{id}/network).
+    /// A sandbox's egress configuration (PUT /sandboxes/{id}/network), dnsServers included.
     pub async fn set_egress(
         &self,
         id: &str,
@@ -446,12 +450,13 @@ impl Db {
         rules: &crate::egress::Rules,
     ) -> Result<(), MasterError> {
         sqlx::query(
-            "UPDATE sandboxes SET internet = $1, allow_out = $2, deny_out = $3, updated_at_ms = $4 \
-             WHERE id = $5",
+            "UPDATE sandboxes SET internet = $1, allow_out = $2, deny_out = $3, dns_servers = $4, \
+             updated_at_ms = $5 WHERE id = $6",
         )
         .bind(i64::from(internet))
         .bind(crate::egress::Rules::encode(&rules.allow_out))
         .bind(crate::egress::Rules::encode(&rules.deny_out))
+        .bind(rules.encode_dns())
         .bind(crate::now_ms())
         .bind(id)
         .execute(&self.pool)

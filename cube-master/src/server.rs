@@ -50,6 +50,8 @@ pub fn to_info(ctl: &Controller, r: &SandboxRow) -> pb::SandboxInfo {
         mask_request_host: r.mask_request_host.clone(),
         allow_out: crate::egress::Rules::decode(&r.allow_out),
         deny_out: crate::egress::Rules::decode(&r.deny_out),
+        dns_servers: crate::egress::Rules::decode_dns(r.dns_servers.as_deref())
+            .map(|servers| pb::DnsServers { servers }),
     }
 }
 
@@ -72,7 +74,11 @@ impl Master for MasterService {
     ) -> Result<Response<pb::SandboxInfo>, Status> {
         let r = req.into_inner();
         let started = std::time::Instant::now();
-        let egress = crate::egress::Rules::parse(&r.allow_out, &r.deny_out)?;
+        let egress = crate::egress::Rules::parse(
+            &r.allow_out,
+            &r.deny_out,
+            r.dns_servers.as_ref().map(|d| d.servers.as_slice()),
+        )?;
         let res = self
             .ctl
             .create(CreateParams {
@@ -174,7 +180,11 @@ impl Master for MasterService {
         req: Request<pb::UpdateNetworkRequest>,
     ) -> Result<Response<pb::SandboxInfo>, Status> {
         let r = req.into_inner();
-        let rules = crate::egress::Rules::parse(&r.allow_out, &r.deny_out)?;
+        let rules = crate::egress::Rules::parse(
+            &r.allow_out,
+            &r.deny_out,
+            r.dns_servers.as_ref().map(|d| d.servers.as_slice()),
+        )?;
         let row = self
             .ctl
             .update_network(&r.team_id, &r.sandbox_id, r.allow_internet, rules)

@@ -36,7 +36,7 @@ pub struct CreateParams {
     pub private_ports: bool,
     /// The Host header the edge sends the sandbox (`${PORT}` replaced); empty = the client's.
     pub mask_request_host: String,
-    /// E2B's allowOut / denyOut, checked.
+    /// E2B's allowOut / denyOut / dnsServers, checked.
     pub egress: crate::egress::Rules,
 }
 
@@ -72,6 +72,15 @@ impl CreateParams {
         for l in [&self.egress.allow_out, &self.egress.deny_out] {
             field(&(l.len() as u64).to_le_bytes());
             for e in l {
+                field(e.as_bytes());
+            }
+        }
+        // Only when given, so that the fingerprints of keys claimed before dnsServers existed
+        // stay the same.
+        if let Some(d) = &self.egress.dns_servers {
+            field(b"dns_servers");
+            field(&(d.len() as u64).to_le_bytes());
+            for e in d {
                 field(e.as_bytes());
             }
         }
@@ -397,6 +406,7 @@ impl Controller {
             mask_request_host: p.mask_request_host.clone(),
             allow_out: crate::egress::Rules::encode(&p.egress.allow_out),
             deny_out: crate::egress::Rules::encode(&p.egress.deny_out),
+            dns_servers: p.egress.encode_dns(),
         };
         row.access_token = crate::token::stored(&self.tokens.token(&row.id));
         let lock = self.lock_for(&row.id);
@@ -503,12 +513,13 @@ impl Controller {
             env_vars: p.env_vars.clone().into_iter().collect(),
             metadata: p.metadata.clone().into_iter().collect(),
             network: Some({
-                let (internet, allow_cidrs, deny_cidrs) =
-                    crate::egress::node_policy(p.allow_internet.unwrap_or(true), &p.egress);
+                let e = crate::egress::node_policy(p.allow_internet.unwrap_or(true), &p.egress);
                 node::NetworkPolicy {
-                    internet,
-                    allow_cidrs,
-                    deny_cidrs,
+                    internet: e.internet,
+                    allow_cidrs: e.allow_cidrs,
+                    deny_cidrs: e.deny_cidrs,
+                    allow_names: e.allow_names,
+                    dns: e.dns,
                     // Any port the sandbox listens on is reachable through the edge (E2B's public
                     // ports); the edge decides who may use them (allowPublicTraffic).
                     all_ports: true,
@@ -714,14 +725,16 @@ impl Controller {
                 )))
             }
         }
-        let (on, allow_cidrs, deny_cidrs) = crate::egress::node_policy(internet, &rules);
+        let e = crate::egress::node_policy(internet, &rules);
         let n = self.node_of(&row)?;
         let mut c = n.client.clone();
         c.set_egress(node::SetEgressRequest {
             sandbox_id: id.to_string(),
-            internet: on,
-            allow_cidrs,
-            deny_cidrs,
+            internet: e.internet,
+            allow_cidrs: e.allow_cidrs,
+            deny_cidrs: e.deny_cidrs,
+            allow_names: e.allow_names,
+            dns: e.dns,
         })
         .await
         .map_err(|s| MasterError::Node {

@@ -39,6 +39,7 @@ fn row(id: &str) -> SandboxRow {
         mask_request_host: String::new(),
         allow_out: String::new(),
         deny_out: String::new(),
+        dns_servers: None,
     }
 }
 
@@ -234,6 +235,7 @@ async fn idempotency_keys_claim_once_per_team(url: String) {
     r.mask_request_host = "localhost:${PORT}".into();
     r.allow_out = "1.1.1.1/32,8.8.0.0/16".into();
     r.deny_out = "0.0.0.0/0".into();
+    r.dns_servers = Some("1.1.1.1,8.8.8.8".into());
     db.insert_sandbox(&r).await.unwrap();
     let got = db.get_sandbox("lc").await.unwrap().unwrap();
     assert_eq!((got.auto_pause, got.auto_resume, got.timeout_s), (1, 1, 42));
@@ -241,6 +243,10 @@ async fn idempotency_keys_claim_once_per_team(url: String) {
     assert_eq!(got.private_ports, 1);
     assert_eq!(got.mask_request_host, "localhost:${PORT}");
     assert_eq!(got.egress().allow_out, ["1.1.1.1/32", "8.8.0.0/16"]);
+    assert_eq!(
+        got.egress().dns_servers,
+        Some(vec!["1.1.1.1".to_string(), "8.8.8.8".to_string()])
+    );
     // The update replaces internet and both lists.
     db.set_egress("lc", true, &Default::default())
         .await
@@ -254,6 +260,15 @@ async fn idempotency_keys_claim_once_per_team(url: String) {
         ),
         (Some(true), "", "")
     );
+    assert_eq!(got.dns_servers, None, "dnsServers left out are cleared");
+    // An empty list (no DNS at all) is not the same as none given.
+    let no_dns = cube_master::egress::Rules {
+        dns_servers: Some(vec![]),
+        ..Default::default()
+    };
+    db.set_egress("lc", true, &no_dns).await.unwrap();
+    let got = db.get_sandbox("lc").await.unwrap().unwrap();
+    assert_eq!(got.egress().dns_servers, Some(vec![]));
 }
 both_backends!(idempotency, super::idempotency_keys_claim_once_per_team);
 

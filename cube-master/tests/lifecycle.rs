@@ -183,6 +183,7 @@ async fn egress_rules(url: String) {
     let rules = cube_master::egress::Rules::parse(
         &v(&["1.1.1.1", "8.8.0.0/16"]),
         &v(&["0.0.0.0/0", "8.8.8.8"]),
+        None,
     )
     .unwrap();
     let row = ctl
@@ -199,7 +200,7 @@ async fn egress_rules(url: String) {
         "deny-all is the switch's internet off; an allow covering a deny wins"
     );
     // Replace everything: omitted lists are cleared.
-    let deny = cube_master::egress::Rules::parse(&[], &v(&["9.9.9.9"])).unwrap();
+    let deny = cube_master::egress::Rules::parse(&[], &v(&["9.9.9.9"]), None).unwrap();
     let up = ctl
         .update_network("t", &row.id, true, deny.clone())
         .await
@@ -209,6 +210,30 @@ async fn egress_rules(url: String) {
         node.egress.lock().unwrap()[&row.id],
         (true, v(&[]), v(&["9.9.9.9/32"]))
     );
+    // Domain names with DNS servers of the user's: each server is an allowed address (it
+    // beats a deny that names it), and the record keeps the servers (also an empty list).
+    let named = cube_master::egress::Rules::parse(
+        &v(&["Example.COM."]),
+        &v(&["0.0.0.0/0", "1.1.1.1"]),
+        Some(&v(&["1.1.1.1"])),
+    )
+    .unwrap();
+    let up = ctl
+        .update_network("t", &row.id, true, named.clone())
+        .await
+        .unwrap();
+    assert_eq!(up.egress(), named);
+    assert_eq!(up.dns_servers.as_deref(), Some("1.1.1.1"));
+    assert_eq!(
+        node.egress.lock().unwrap()[&row.id],
+        (false, v(&["1.1.1.1/32"]), v(&[]))
+    );
+    let no_dns = cube_master::egress::Rules::parse(&v(&["example.com"]), &[], Some(&[])).unwrap();
+    let up = ctl
+        .update_network("t", &row.id, true, no_dns.clone())
+        .await
+        .unwrap();
+    assert_eq!((up.egress(), up.dns_servers.as_deref()), (no_dns, Some("")));
     // Another team's sandbox is not found; a paused one takes the update too.
     let e = ctl
         .update_network("other", &row.id, true, Default::default())

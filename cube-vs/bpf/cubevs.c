@@ -24,6 +24,17 @@
 
 #define PORT_BOUND 1
 #define PORT_INTERNET 2
+// 4 is PORT_TCX, userspace only.
+#define PORT_NAMES 8 // TCP the rules deny goes to the node's egress proxy (names allowed)
+#define PORT_DNS 16  // the resolver answers even with internet off (the names need it)
+
+// skb->mark of a guest packet for the egress proxy: the node's nftables DNAT it there, and
+// drop it should it ever be forwarded instead (see nft.rs).
+#define PROXY_MARK 0x0cbe0001
+
+#define VERDICT_DROP 0
+#define VERDICT_PASS 1
+#define VERDICT_PROXY 2
 
 #define ACT_ALLOW 1
 #define ACT_DENY 2
@@ -325,7 +336,7 @@ static __always_inline struct arp_eth *arp_hdr(struct __sk_buff *skb)
 	return arp;
 }
 
-// Verdict for a guest packet to daddr: 1 allow, 0 drop.
+// Verdict for a guest packet to daddr: VERDICT_*.
 static __always_inline int egress_allowed(struct __sk_buff *skb, const struct cfg *c,
 					  const struct port *p, __u32 ifindex, struct iphdr *ip,
 					  const struct l4info *l4)
@@ -334,24 +345,36 @@ static __always_inline int egress_allowed(struct __sk_buff *skb, const struct cf
 	__u32 dh = bpf_ntohl(daddr);
 
 	if (daddr == c->gw_ip || daddr == c->guest_ip)
-		return 0;
+		return VERDICT_DROP;
 	if (is_ours(daddr, c))
-		return 0; // sandbox to sandbox, always
+		return VERDICT_DROP; // sandbox to sandbox, always
 	if ((dh >> 24) == 0 || (dh >> 24) == 127 || dh >= 0xe0000000)
-		return 0; // "this" network, loopback, multicast, broadcast
+		return VERDICT_DROP; // "this" network, loopback, multicast, broadcast
 
-	// DNS is only ever allowed to the configured resolver and only with internet on, so that
-	// internet-off cannot be tunnelled through a recursive resolver.
-	if ((l4->proto == IPPROTO_UDP || l4->proto == IPPROTO_TCP) && l4->l4_off >= 0 &&
-	    l4->dport == bpf_htons(53))
-		return (p->flags & PORT_INTERNET) && p->resolver != 0 && daddr == p->resolver;
+	// DNS goes to the configured resolver only while internet is on or allowed names need it,
+	// so that internet-off cannot be tunnelled through a recursive resolver; elsewhere only
+	// to an address the user allowed explicitly (E2B's dnsServers).
+	int dns = (l4->proto == IPPROTO_UDP || l4->proto == IPPROTO_TCP) && l4->l4_off >= 0 &&
+		  l4->dport == bpf_htons(53);
+	if (dns && p->resolver != 0 && daddr == p->resolver &&
+	    (p->flags & (PORT_INTERNET | PORT_DNS)))
+		return VERDICT_PASS;
 
 	struct policy_key k = { .prefixlen = 64,
 				.ifindex = ifindex | (p->policy_gen ? POLICY_GEN_BIT : 0),
 				.addr = daddr };
 	struct policy_val *v = bpf_map_lookup_elem(&cvs_policy, &k);
-	if (!v || v->action != ACT_ALLOW)
-		return 0;
+	if (!v || v->action != ACT_ALLOW) {
+		// Denied by the default route or by the user's own deny: the proxy may still admit
+		// it by name (an allowed name beats a deny, as in E2B). The built-in private ranges
+		// stay dropped.
+		if (!dns && l4->proto == IPPROTO_TCP && (p->flags & PORT_NAMES) &&
+		    (!v || v->plen == 0 || (v->explicit_ & RULE_EXPLICIT)))
+			return VERDICT_PROXY;
+		return VERDICT_DROP;
+	}
+	if (dns && !(v->explicit_ & RULE_EXPLICIT))
+		return VERDICT_DROP;
 
 	// Anything the node itself would receive (its own addresses, local/broadcast routes) is a
 	// host service: only a host-service /32 opens it, never an allow entry, however specific.
@@ -366,12 +389,12 @@ static __always_inline int egress_allowed(struct __sk_buff *skb, const struct cf
 	long rc = bpf_fib_lookup(skb, &fib, sizeof(fib), 0);
 	if (rc == BPF_FIB_LKUP_RET_SUCCESS || rc == BPF_FIB_LKUP_RET_NO_NEIGH ||
 	    rc == BPF_FIB_LKUP_RET_FRAG_NEEDED)
-		return 1;
+		return VERDICT_PASS;
 	if (rc == BPF_FIB_LKUP_RET_BLACKHOLE || rc == BPF_FIB_LKUP_RET_UNREACHABLE ||
 	    rc == BPF_FIB_LKUP_RET_PROHIBIT)
-		return 0;
+		return VERDICT_DROP;
 	// NOT_FWDED (local), FWD_DISABLED (cannot tell; only local delivery is possible), errors.
-	return (v->explicit_ & RULE_HOST_SERVICE) && v->plen == 32;
+	return ((v->explicit_ & RULE_HOST_SERVICE) && v->plen == 32) ? VERDICT_PASS : VERDICT_DROP;
 }
 
 SEC("classifier")
@@ -434,8 +457,11 @@ int cvs_from_guest(struct __sk_buff *skb)
 	__u32 *dir = bpf_map_lookup_elem(flows, &fk);
 	if (!(dir && *dir == FLOW_BY_NODE && !syn_only && !is_ours(ip->daddr, c))) {
 		// Not an answer to the node: the egress policy decides.
-		if (!egress_allowed(skb, c, p, ifindex, ip, &l4))
+		int verdict = egress_allowed(skb, c, p, ifindex, ip, &l4);
+		if (verdict == VERDICT_DROP)
 			goto drop;
+		if (verdict == VERDICT_PROXY)
+			skb->mark = PROXY_MARK;
 		if (l4.proto == IPPROTO_UDP && l4.l4_off >= 0 && !dir) {
 			__u32 by = FLOW_BY_GUEST;
 			bpf_map_update_elem(flows, &fk, &by, BPF_ANY);

@@ -11,6 +11,15 @@ pub(crate) const PORT_BOUND: u32 = 1;
 pub(crate) const PORT_INTERNET: u32 = 2;
 /// Userspace-only flag: the port was attached with TCX links (not read by the programs).
 pub(crate) const PORT_TCX: u32 = 4;
+/// TCP the rules deny goes to the node's egress proxy ([`crate::EgressPolicy::proxy_names`]).
+pub(crate) const PORT_NAMES: u32 = 8;
+/// The resolver answers with internet off too ([`crate::EgressPolicy::dns`]).
+pub(crate) const PORT_DNS: u32 = 16;
+/// The flags a policy sets (the rest belong to the port).
+pub(crate) const POLICY_FLAGS: u32 = PORT_INTERNET | PORT_NAMES | PORT_DNS;
+
+/// `skb->mark` of guest packets for the egress proxy (`PROXY_MARK` in the C source).
+pub(crate) const PROXY_MARK: u32 = 0x0cbe_0001;
 
 /// Set in a policy key's `ifindex` word for generation 1: a replacement is written under the
 /// generation the port does not use, then the port flips, so the switch is never half-updated.

@@ -227,6 +227,10 @@ pub struct SwitchConfig {
     /// is preallocated at attach, about 90 bytes per entry (~350 KiB per port by default).
     /// A change applies to ports attached or unbound after it.
     pub flow_quota: u32,
+    /// Where the node's egress proxy listens: TCP that a sandbox's rules deny while its
+    /// policy allows names ([`crate::EgressPolicy::proxy_names`]) is DNATed there. `None`:
+    /// no proxy, and such TCP is dropped like any other denied packet.
+    pub egress_proxy: Option<std::net::SocketAddrV4>,
 }
 
 /// Bounds of [`SwitchConfig::flow_quota`]. Below the minimum the kernel's LRU (which keeps
@@ -248,6 +252,7 @@ impl Default for SwitchConfig {
             masquerade: true,
             nft_table: "cube_vs".into(),
             flow_quota: DEFAULT_FLOW_QUOTA,
+            egress_proxy: None,
         }
     }
 }

@@ -1,12 +1,15 @@
-//! Masquerade of sandbox traffic leaving the node, in an nftables table of our own.
+//! Masquerade of sandbox traffic leaving the node and the redirect to the egress proxy, in an
+//! nftables table of our own.
 //!
 //! This shells out to `nft -f -`: there is no maintained Rust nftables library that builds on
 //! our toolchain, and one atomic `nft` transaction is exactly what we need (create-or-replace
 //! the whole table in one step, idempotently).
 
 use std::io::Write;
+use std::net::SocketAddrV4;
 use std::process::{Command, Stdio};
 
+use crate::abi::PROXY_MARK;
 use crate::config::Ipv4Cidr;
 use crate::error::{Error, Result};
 
@@ -52,20 +55,43 @@ fn run(script: &str) -> Result<()> {
     }
 }
 
-/// Creates or replaces `table ip <table>` masquerading traffic from the host pool to anywhere
-/// outside it. The `add`+`delete` prefix makes the transaction idempotent on nft versions
-/// without `destroy`.
-pub(crate) fn install(table: &str, pool: Ipv4Cidr) -> Result<()> {
+/// Creates or replaces `table ip <table>`: the masquerade of traffic from the host pool to
+/// anywhere outside it, and the DNAT of packets the datapath marked for the egress proxy (a
+/// marked packet that would be forwarded instead is dropped: fail closed). The `add`+`delete`
+/// prefix makes the transaction idempotent on nft versions without `destroy`.
+pub(crate) fn install(
+    table: &str,
+    pool: Ipv4Cidr,
+    masquerade: bool,
+    proxy: Option<SocketAddrV4>,
+) -> Result<()> {
     valid_name(table)?;
+    let mut chains = String::new();
+    if masquerade {
+        chains.push_str(&format!(
+            "chain postrouting {{\n\
+               type nat hook postrouting priority srcnat; policy accept;\n\
+               ip saddr {pool} ip daddr != {pool} masquerade\n\
+             }}\n"
+        ));
+    }
+    if let Some(proxy) = proxy {
+        let mark = PROXY_MARK;
+        chains.push_str(&format!(
+            "chain prerouting {{\n\
+               type nat hook prerouting priority dstnat; policy accept;\n\
+               meta mark {mark:#x} ip saddr {pool} meta l4proto tcp dnat ip to {proxy}\n\
+             }}\n\
+             chain forward {{\n\
+               type filter hook forward priority filter; policy accept;\n\
+               meta mark {mark:#x} ip saddr {pool} drop\n\
+             }}\n"
+        ));
+    }
     run(&format!(
         "add table ip {table}\n\
          delete table ip {table}\n\
-         table ip {table} {{\n\
-           chain postrouting {{\n\
-             type nat hook postrouting priority srcnat; policy accept;\n\
-             ip saddr {pool} ip daddr != {pool} masquerade\n\
-           }}\n\
-         }}\n"
+         table ip {table} {{\n{chains}}}\n"
     ))
 }
 

@@ -29,11 +29,14 @@ pub const ALWAYS_DENIED: &[(Ipv4Addr, u8)] = &[
 /// Evaluation of a packet the guest sends to `dst`:
 /// 1. sandbox-to-sandbox (the host pool), the gateway itself, loopback and multicast: dropped,
 ///    whatever the policy says;
-/// 2. DNS (TCP/UDP port 53): allowed only to `dns_resolver`, and only while `internet` is on
-///    (so internet-off cannot be tunnelled through a recursive resolver);
+/// 2. DNS (TCP/UDP port 53) to `dns_resolver`: allowed while `internet` or `dns` is on (so
+///    internet-off cannot be tunnelled through a recursive resolver); to anywhere else only
+///    when an explicit `allow` entry is the longest match (then 4 applies);
 /// 3. otherwise the longest matching prefix among `allow`, `deny`, [`ALWAYS_DENIED`] and the
 ///    default route (`internet` on = allow, off = deny) decides; for the same prefix, `deny`
-///    beats `allow`, and an explicit entry beats a built-in one;
+///    beats `allow`, and an explicit entry beats a built-in one; with `proxy_names`, TCP that
+///    the default route or a `deny` entry refuses is handed to the node's egress proxy
+///    (marked for the DNAT the switch's nftables table holds) instead of dropped;
 /// 4. a destination the node itself would receive is dropped unless the winning entry is a
 ///    [`EgressPolicy::host_services`] `/32`: an `allow` entry never opens the node itself, so
 ///    user-supplied allow lists cannot reach node-local services.
@@ -54,6 +57,11 @@ pub struct EgressPolicy {
     /// Addresses of the node itself the sandbox may reach (an operator's choice; a `deny`
     /// entry still wins).
     pub host_services: Vec<Ipv4Addr>,
+    /// TCP the rules deny goes to the node's egress proxy
+    /// ([`crate::SwitchConfig::egress_proxy`]), which admits it by name or closes it.
+    pub proxy_names: bool,
+    /// `dns_resolver` answers with `internet` off too (what allowed names need).
+    pub dns: bool,
 }
 
 /// The [`ALWAYS_DENIED`] range that contains `c` (or equals it): an explicit allow of `c` would
@@ -73,6 +81,8 @@ impl Default for EgressPolicy {
             deny: Vec::new(),
             dns_resolver: None,
             host_services: Vec::new(),
+            proxy_names: false,
+            dns: false,
         }
     }
 }
@@ -87,6 +97,13 @@ pub(crate) struct Rule {
 }
 
 impl EgressPolicy {
+    /// The port flags this policy sets (the datapath reads them; see `abi.rs`).
+    pub(crate) fn port_flags(&self) -> u32 {
+        use crate::abi::{PORT_DNS, PORT_INTERNET, PORT_NAMES};
+        let on = |b: bool, f: u32| if b { f } else { 0 };
+        on(self.internet, PORT_INTERNET) | on(self.proxy_names, PORT_NAMES) | on(self.dns, PORT_DNS)
+    }
+
     /// Compiles the policy into one entry per distinct prefix.
     pub(crate) fn compile(&self) -> BTreeMap<Ipv4Cidr, Rule> {
         let mut out = BTreeMap::new();
@@ -175,6 +192,7 @@ mod tests {
             ],
             dns_resolver: None,
             host_services: vec!["198.18.0.1".parse().unwrap(), "8.8.4.4".parse().unwrap()],
+            ..Default::default()
         };
         let r = p.compile();
         assert!(lookup(&r, "1.1.1.1".parse().unwrap()).allow);

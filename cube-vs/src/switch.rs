@@ -277,8 +277,13 @@ impl Switch {
         };
         sw.rebuild_state()?;
         sw.readopt_attachments()?;
-        if sw.cfg.masquerade {
-            nft::install(&sw.cfg.nft_table, sw.cfg.host_pool)?;
+        if sw.cfg.masquerade || sw.cfg.egress_proxy.is_some() {
+            nft::install(
+                &sw.cfg.nft_table,
+                sw.cfg.host_pool,
+                sw.cfg.masquerade,
+                sw.cfg.egress_proxy,
+            )?;
         }
         if std::fs::read_to_string("/proc/sys/net/ipv4/ip_forward").is_ok_and(|s| s.trim() == "0") {
             tracing::warn!(
@@ -589,13 +594,7 @@ impl Switch {
         let val = PortVal {
             host_ip: ip_be(addr),
             resolver: net.policy.dns_resolver.map(ip_be).unwrap_or(0),
-            flags: PORT_BOUND
-                | (old.flags & PORT_TCX)
-                | if net.policy.internet {
-                    PORT_INTERNET
-                } else {
-                    0
-                },
+            flags: PORT_BOUND | (old.flags & PORT_TCX) | net.policy.port_flags(),
             policy_gen: gen,
         };
         self.ports
@@ -618,7 +617,7 @@ impl Switch {
         let gen = self.stage_policy(port.ifindex, policy)?;
         let val = PortVal {
             resolver: policy.dns_resolver.map(ip_be).unwrap_or(0),
-            flags: (old.flags & !PORT_INTERNET) | if policy.internet { PORT_INTERNET } else { 0 },
+            flags: (old.flags & !POLICY_FLAGS) | policy.port_flags(),
             policy_gen: gen,
             ..old
         };
@@ -971,7 +970,7 @@ impl Switch {
                 first_err.get_or_insert(e);
             }
         }
-        if self.cfg.masquerade {
+        if self.cfg.masquerade || self.cfg.egress_proxy.is_some() {
             if let Err(e) = nft::remove(&self.cfg.nft_table) {
                 first_err.get_or_insert(e);
             }

@@ -303,6 +303,115 @@ fn egress_policy_host_services_dns_and_internet_off() {
     });
 }
 
+/// Names: TCP the rules deny goes to the node's egress proxy (here a plain listener that
+/// names itself), never what the built-in ranges deny, never UDP; the resolver opens with
+/// `dns`, and an explicit allow opens DNS to that address (E2B's dnsServers).
+#[test]
+fn denied_tcp_goes_to_the_egress_proxy_when_names_are_allowed() {
+    let name = "cube_vs::denied_tcp_goes_to_the_egress_proxy_when_names_are_allowed";
+    cube_testkit::require_priv!(name);
+    if !datapath_or_skip(name) {
+        return;
+    }
+    let t = Topo::new(1);
+    let (h, g, i) = (t.h(), t.g(0), t.i());
+    let proxy = std::net::SocketAddrV4::new(Ipv4Addr::new(169, 254, 64, 1), 15001);
+    nsx(&h, &["ip", "addr", "add", "169.254.64.1/32", "dev", "lo"]);
+    tcp_server(&h, SocketAddr::from(proxy), "proxy");
+    tcp_server(&h, SocketAddr::from((METADATA, 80)), "metadata");
+    tcp_server(&i, SocketAddr::from((INET_A, 80)), "a");
+    tcp_server(&i, SocketAddr::from((INET_B, 80)), "b");
+    udp_server(&i, SocketAddr::from((RESOLVER, 53)), "dns");
+    udp_server(&i, SocketAddr::from((INET_A, 53)), "other-dns");
+    udp_server(&i, SocketAddr::from((INET_A, 5000)), "udp");
+    let ifs = t.host_ifs.clone();
+    let cfg = SwitchConfig {
+        egress_proxy: Some(proxy),
+        ..t.switch_config()
+    };
+    with_switch(&t, cfg, move |sw| {
+        let p = sw.attach(&ifs[0]).unwrap();
+        let mut net = SandboxNet::new(HOST0);
+        net.policy = EgressPolicy {
+            internet: false,
+            allow: vec![format!("{INET_B}/32").parse().unwrap()],
+            dns_resolver: Some(RESOLVER),
+            proxy_names: true,
+            dns: true,
+            ..Default::default()
+        };
+        sw.bind(&p, &net).unwrap();
+        let get = |ip, port| tcp_get(&g, ip, port);
+        let via_proxy = Some(format!("proxy {HOST0}"));
+        assert_eq!(
+            get(INET_A, 80),
+            via_proxy,
+            "deny-all: TCP goes to the proxy"
+        );
+        assert_eq!(
+            get(INET_B, 80),
+            Some("b 198.51.100.1".into()),
+            "an allowed address: direct"
+        );
+        assert_eq!(get(METADATA, 80), None, "built-in ranges are never proxied");
+        assert_eq!(udp_get(&g, INET_A, 5000), None, "UDP is never proxied");
+        assert_eq!(
+            udp_get(&g, RESOLVER, 53).as_deref(),
+            Some("dns 198.51.100.1"),
+            "dns on"
+        );
+        assert_eq!(udp_get(&g, INET_A, 53), None, "DNS elsewhere stays closed");
+
+        // Allow-all + a deny: the denied address is proxied (an allowed name beats a deny).
+        let deny_one = EgressPolicy {
+            deny: vec![format!("{INET_A}/32").parse().unwrap()],
+            dns_resolver: Some(RESOLVER),
+            proxy_names: true,
+            ..Default::default()
+        };
+        sw.set_policy(&p, &deny_one).unwrap();
+        assert_eq!(get(INET_A, 80), via_proxy);
+        assert_eq!(get(INET_B, 80), Some("b 198.51.100.1".into()));
+
+        // The user's own DNS server: an explicit allow opens port 53 there, the resolver is
+        // closed with internet off and dns off.
+        let own_dns = EgressPolicy {
+            internet: false,
+            allow: vec![format!("{INET_A}/32").parse().unwrap()],
+            dns_resolver: Some(RESOLVER),
+            proxy_names: true,
+            ..Default::default()
+        };
+        sw.set_policy(&p, &own_dns).unwrap();
+        assert_eq!(
+            udp_get(&g, INET_A, 53).as_deref(),
+            Some("other-dns 198.51.100.1")
+        );
+        assert_eq!(udp_get(&g, RESOLVER, 53), None);
+        assert_eq!(get(INET_B, 80), via_proxy);
+        // The node's resolver named as the user's own server: the explicit allow opens it.
+        let own_is_resolver = EgressPolicy {
+            allow: vec![format!("{RESOLVER}/32").parse().unwrap()],
+            ..own_dns.clone()
+        };
+        sw.set_policy(&p, &own_is_resolver).unwrap();
+        assert_eq!(
+            udp_get(&g, RESOLVER, 53).as_deref(),
+            Some("dns 198.51.100.1")
+        );
+
+        // Without names nothing is proxied: denied is dropped.
+        let no_names = EgressPolicy {
+            proxy_names: false,
+            ..own_dns
+        };
+        sw.set_policy(&p, &no_names).unwrap();
+        assert_eq!(get(INET_B, 80), None);
+        // The proxy itself is a node address: never reachable directly.
+        assert_eq!(get(*proxy.ip(), proxy.port()), None);
+    });
+}
+
 /// Entry point of the child loader of `enforcement_survives_loader_kill`, not a test of its own:
 /// ignored (so a plain run neither counts nor passes it), run only by the parent with
 /// `--ignored --exact` and CUBEVS_CHILD_NS set.

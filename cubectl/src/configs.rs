@@ -36,6 +36,9 @@ pub fn cubelet(l: &Layout, agent: &Path, pool: u32) -> String {
          \n[storage]\n{storage}\
          \n[cgroup]\nparent = \"{cg}\"\n\
          \n[pools.started]\n# Sandboxes kept started and waiting for /init, per template.\nbase = {pool}\n\
+         \n[network]\n\
+         # The egress proxy that admits the domain names a sandbox may reach (unset: refused).\n\
+         egress_proxy = \"169.254.64.1\"\n\
          \n[switch]\n\
          host_pool = \"{pool_net}\"\n\
          pin_root = {pins}\n\

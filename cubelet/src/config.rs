@@ -83,6 +83,11 @@ pub struct NetworkConfig {
     /// the switch lets port 53 reach it, and only it, while a sandbox may reach the internet.
     /// Unset = sandboxes have no resolver (DNS is blocked).
     pub dns_resolver: Option<std::net::Ipv4Addr>,
+    /// An address cubelet puts on `lo` for its egress proxy, which admits a sandbox's TCP to
+    /// the domain names its policy allows (TLS SNI or HTTP Host; cube-vs redirects to it what
+    /// the address rules deny). Unset = no proxy: policies with names are refused. The proxy
+    /// resolves names through `dns_resolver` (the system's resolver when that is unset).
+    pub egress_proxy: Option<std::net::Ipv4Addr>,
 }
 
 /// The `microvm` runtime (cube-shim processes hosting KVM microVMs).

@@ -61,7 +61,17 @@ fn policy_from(p: Option<pb::NetworkPolicy>) -> Result<Policy, Status> {
         exposed_ports: ports,
         all_ports: p.all_ports,
         host_services: p.host_services,
+        allow_names: check_names(p.allow_names)?,
+        dns: p.dns,
     })
+}
+
+/// Allowed names, checked and normalised (the proxy compares them in that form).
+#[allow(clippy::result_large_err)]
+fn check_names(v: Vec<String>) -> Result<Vec<String>, Status> {
+    crate::egress_proxy::NameSet::parse(&v)
+        .map_err(|e| Status::invalid_argument(format!("network policy: {e}")))?;
+    Ok(v)
 }
 
 /// Allow and deny entries are CIDRs; an allow entry must not lie inside a range the switch
@@ -106,6 +116,8 @@ fn policy_to(p: &Policy) -> pb::NetworkPolicy {
             .collect(),
         all_ports: p.all_ports,
         host_services: p.host_services.clone(),
+        allow_names: p.allow_names.clone(),
+        dns: p.dns,
     }
 }
 
@@ -296,10 +308,14 @@ impl pb::node_server::Node for NodeService {
     ) -> Result<Response<pb::Sandbox>, Status> {
         let r = req.into_inner();
         check_egress(&r.allow_cidrs, &r.deny_cidrs)?;
-        let st = self
-            .node
-            .set_egress(&r.sandbox_id, r.internet, r.allow_cidrs, r.deny_cidrs)
-            .await?;
+        let egress = crate::network::Egress {
+            internet: r.internet,
+            allow_cidrs: r.allow_cidrs,
+            deny_cidrs: r.deny_cidrs,
+            allow_names: check_names(r.allow_names)?,
+            dns: r.dns,
+        };
+        let st = self.node.set_egress(&r.sandbox_id, egress).await?;
         Ok(Response::new(sandbox_to(&self.node, &st)))
     }
 

@@ -9,6 +9,7 @@
 pub mod agent;
 pub mod cgroup;
 pub mod config;
+pub mod egress_proxy;
 pub mod error;
 pub mod fstree;
 pub mod grpc;

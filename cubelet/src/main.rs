@@ -171,14 +171,36 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                     .parse()
                     .with_context(|| format!("http_addr {:?}", cfg.http_addr))?;
                 let hook: Arc<dyn cubelet::network::NetworkHook> = match cfg.network.switch {
-                    SwitchKind::CubeVs => Arc::new(
-                        cubelet::vswitch::VsHook::open(
-                            cfg.switch.clone(),
-                            cfg.sandbox.agent_port,
-                            cfg.network.dns_resolver,
+                    SwitchKind::CubeVs => {
+                        // The proxy listens before the switch opens: its port is the DNAT target.
+                        let mut sw = cfg.switch.clone();
+                        let names = match cfg.network.egress_proxy {
+                            Some(ip) => {
+                                let reg = Arc::new(cubelet::egress_proxy::Registry::default());
+                                let proxy = cubelet::egress_proxy::EgressProxy::bind(
+                                    ip,
+                                    cfg.network.dns_resolver,
+                                    reg.clone(),
+                                )
+                                .await
+                                .with_context(|| format!("starting the egress proxy on {ip} (network.egress_proxy)"))?;
+                                sw.egress_proxy = Some(proxy.local_addr()?);
+                                tracing::info!(addr = ?sw.egress_proxy, "egress proxy listening");
+                                tokio::spawn(proxy.run());
+                                Some(reg)
+                            }
+                            None => None,
+                        };
+                        Arc::new(
+                            cubelet::vswitch::VsHook::open(
+                                sw,
+                                cfg.sandbox.agent_port,
+                                cfg.network.dns_resolver,
+                                names,
+                            )
+                            .context("starting cube-vs (set network.switch = \"none\" to run without isolation)")?,
                         )
-                        .context("starting cube-vs (set network.switch = \"none\" to run without isolation)")?,
-                    ),
+                    }
                     SwitchKind::None => {
                         for _ in 0..3 {
                             tracing::error!("network.switch = \"none\": SANDBOXES ARE NOT ISOLATED. They can reach every host service (this cubelet's gRPC included), each other and the cloud metadata address, and network policies are NOT enforced. Never run untrusted code like this.");

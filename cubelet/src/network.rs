@@ -92,6 +92,12 @@ pub struct Policy {
     /// entries never open the node).
     #[serde(default)]
     pub host_services: Vec<String>,
+    /// Domain names and `*.` wildcards the node's egress proxy admits TCP to.
+    #[serde(default)]
+    pub allow_names: Vec<String>,
+    /// The node's resolver answers with internet off too (what `allow_names` need).
+    #[serde(default)]
+    pub dns: bool,
 }
 
 impl Policy {
@@ -99,8 +105,30 @@ impl Policy {
     pub fn has_egress_rules(&self) -> bool {
         !(self.allow_cidrs.is_empty()
             && self.deny_cidrs.is_empty()
-            && self.host_services.is_empty())
+            && self.host_services.is_empty()
+            && self.allow_names.is_empty())
     }
+    /// This policy with its egress part replaced (ports and host services stay).
+    pub fn with_egress(&self, e: Egress) -> Policy {
+        Policy {
+            internet: e.internet,
+            allow_cidrs: e.allow_cidrs,
+            deny_cidrs: e.deny_cidrs,
+            allow_names: e.allow_names,
+            dns: e.dns,
+            ..self.clone()
+        }
+    }
+}
+
+/// The egress part of a [`Policy`]: what a network update replaces.
+#[derive(Debug, Clone, Default)]
+pub struct Egress {
+    pub internet: bool,
+    pub allow_cidrs: Vec<String>,
+    pub deny_cidrs: Vec<String>,
+    pub allow_names: Vec<String>,
+    pub dns: bool,
 }
 
 /// Where the switch (cube-vs) plugs in. Every method runs off the create hot path except

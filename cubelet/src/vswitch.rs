@@ -8,7 +8,9 @@ use crate::network::{Endpoint, NetworkHook, Policy};
 use cube_vs::{AddrPool, EgressPolicy, Ipv4Cidr, Port, SandboxNet, Switch, SwitchConfig};
 use std::collections::HashMap;
 use std::net::Ipv4Addr;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
+
+use crate::egress_proxy::{NameSet, Registry};
 
 struct Inner {
     sw: Switch,
@@ -37,6 +39,9 @@ pub struct VsHook {
     base_ports: Vec<u16>,
     /// The only DNS server sandboxes may query (while their internet is on).
     resolver: Option<Ipv4Addr>,
+    /// The names each bound sandbox may reach through the egress proxy; `None` when the node
+    /// runs none (then a policy with names is refused).
+    names: Option<Arc<Registry>>,
 }
 
 fn port_of(ep: &Endpoint) -> Port {
@@ -77,6 +82,8 @@ pub fn egress_policy(p: &Policy) -> Result<EgressPolicy, String> {
         deny: parse(&p.deny_cidrs)?,
         dns_resolver: None,
         host_services,
+        proxy_names: !p.allow_names.is_empty(),
+        dns: p.dns,
     })
 }
 
@@ -87,6 +94,7 @@ impl VsHook {
         cfg: SwitchConfig,
         agent_port: u16,
         resolver: Option<Ipv4Addr>,
+        names: Option<Arc<Registry>>,
     ) -> Result<VsHook, cube_vs::Error> {
         let pool = AddrPool::new(cfg.host_pool)?;
         let sw = Switch::open(cfg)?;
@@ -102,7 +110,35 @@ impl VsHook {
             }),
             base_ports,
             resolver,
+            names,
         })
+    }
+
+    /// Points the proxy at a sandbox's names (before its rules send it anything); returns
+    /// what it had, for [`VsHook::restore_names`] if the switch then refuses the rules.
+    fn set_names(&self, addr: Ipv4Addr, policy: &Policy) -> Result<Option<Arc<NameSet>>, String> {
+        let names = NameSet::parse(&policy.allow_names)?;
+        match &self.names {
+            Some(reg) => Ok(reg.set(addr, names)),
+            None if names.is_empty() => Ok(None),
+            None => Err(
+                "this node runs no egress proxy (network.egress_proxy is unset), so \
+                         domain names cannot be allowed"
+                    .into(),
+            ),
+        }
+    }
+
+    fn restore_names(&self, addr: Ipv4Addr, old: Option<Arc<NameSet>>) {
+        if let Some(reg) = &self.names {
+            reg.restore(addr, old);
+        }
+    }
+
+    fn forget_names(&self, addr: Option<Ipv4Addr>) {
+        if let (Some(reg), Some(a)) = (&self.names, addr) {
+            reg.remove(a);
+        }
     }
 
     fn egress(&self, policy: &Policy) -> Result<EgressPolicy, String> {
@@ -165,16 +201,27 @@ impl NetworkHook for VsHook {
         if let Some(&addr) = g.bound.get(&ep.host_ifindex) {
             // Already bound (a pre-started sandbox being claimed): same address, new rules.
             let net = self.net(addr, policy)?;
-            g.sw.set_policy(&port, &net.policy)
-                .map_err(|e| format!("policy of {}: {e}", ep.host_if))?;
-            g.sw.set_exposed_ports(&port, &net.exposed_ports)
-                .map_err(|e| format!("exposed ports of {}: {e}", ep.host_if))?;
-            return Ok(Some(addr));
+            let old = self.set_names(addr, policy)?;
+            let r =
+                g.sw.set_policy(&port, &net.policy)
+                    .map_err(|e| format!("policy of {}: {e}", ep.host_if))
+                    .and_then(|()| {
+                        g.sw.set_exposed_ports(&port, &net.exposed_ports)
+                            .map_err(|e| format!("exposed ports of {}: {e}", ep.host_if))
+                    });
+            if r.is_err() {
+                self.restore_names(addr, old);
+            }
+            return r.map(|()| Some(addr));
         }
         let addr = g.pool.allocate().map_err(|e| e.to_string())?;
-        let r = self
-            .net(addr, policy)
-            .and_then(|net| g.sw.bind(&port, &net).map_err(|e| e.to_string()));
+        let r = self.net(addr, policy).and_then(|net| {
+            let old = self.set_names(addr, policy)?;
+            g.sw.bind(&port, &net).map_err(|e| {
+                self.restore_names(addr, old);
+                e.to_string()
+            })
+        });
         match r {
             Ok(()) => {
                 g.bound.insert(ep.host_ifindex, addr);
@@ -190,11 +237,17 @@ impl NetworkHook for VsHook {
     fn update_policy(&self, ep: &Endpoint, policy: &Policy) -> Result<(), String> {
         let e = self.egress(policy)?;
         let mut g = self.lock();
-        if !g.bound.contains_key(&ep.host_ifindex) {
+        let Some(&addr) = g.bound.get(&ep.host_ifindex) else {
             return Err(format!("{} is not bound to a sandbox", ep.host_if));
+        };
+        let old = self.set_names(addr, policy)?;
+        let r =
+            g.sw.set_policy(&port_of(ep), &e)
+                .map_err(|e| format!("policy of {}: {e}", ep.host_if));
+        if r.is_err() {
+            self.restore_names(addr, old);
         }
-        g.sw.set_policy(&port_of(ep), &e)
-            .map_err(|e| format!("policy of {}: {e}", ep.host_if))
+        r
     }
 
     fn endpoint_released(&self, ep: &Endpoint) {
@@ -203,6 +256,7 @@ impl NetworkHook for VsHook {
         }
         let port = port_of(ep);
         let mut g = self.lock();
+        self.forget_names(g.bound.get(&ep.host_ifindex).copied());
         match g.unbind(&port) {
             Ok(()) | Err(cube_vs::Error::NotAttached(_)) => {}
             Err(e) => tracing::error!(host_if = %ep.host_if, error = %e, "cube-vs unbind"),
@@ -214,8 +268,9 @@ impl NetworkHook for VsHook {
     }
 
     fn endpoint_recycled(&self, ep: &Endpoint) -> Result<(), String> {
-        self.lock()
-            .unbind(&port_of(ep))
+        let mut g = self.lock();
+        self.forget_names(g.bound.get(&ep.host_ifindex).copied());
+        g.unbind(&port_of(ep))
             .map_err(|e| format!("cube-vs unbind of {}: {e}", ep.host_if))
     }
 
@@ -244,6 +299,9 @@ impl NetworkHook for VsHook {
             match (adopted.get(&ep.host_ifindex).copied().flatten(), addr) {
                 (Some(found), Some(rec)) if found == *rec => {
                     g.bound.insert(ep.host_ifindex, found);
+                    if let Err(e) = self.set_names(found, policy) {
+                        tracing::error!(host_if = %ep.host_if, error = %e, "allowed names not re-adopted");
+                    }
                 }
                 (found, rec) => {
                     // The pinned state lost this port (or disagrees with our record): put it
@@ -258,6 +316,7 @@ impl NetworkHook for VsHook {
                             None => g.pool.allocate().map_err(|e| e.to_string())?,
                         };
                         let net = self.net(a, policy)?;
+                        self.set_names(a, policy)?;
                         g.sw.bind(&port, &net)
                             .map_err(|e| format!("re-binding {}: {e}", ep.host_if))?;
                         Ok(a)
@@ -334,9 +393,18 @@ mod tests {
             exposed_ports: vec![8080],
             all_ports: false,
             host_services: vec!["198.18.0.9".into()],
+            allow_names: vec![],
+            dns: false,
         };
         let e = egress_policy(&p).unwrap();
-        assert!(!e.internet);
+        assert!(!e.internet && !e.proxy_names && !e.dns);
+        let named = Policy {
+            allow_names: vec!["api.example.com".into()],
+            dns: true,
+            ..p.clone()
+        };
+        let n = egress_policy(&named).unwrap();
+        assert!(n.proxy_names && n.dns);
         assert_eq!(e.allow.len(), 1);
         assert_eq!(e.allow[0].to_string(), "198.18.0.1/32");
         assert_eq!(e.deny[0].to_string(), "8.8.0.0/16");

@@ -258,6 +258,7 @@ async fn sandboxes_are_isolated_policies_enforced_and_state_survives_a_crash() {
         internet: false,
         allow_cidrs: allow.iter().map(|s| s.to_string()).collect(),
         deny_cidrs: deny.to_vec(),
+        ..Default::default()
     };
     let e = cl
         .set_egress(egress(&["10.1.2.3/32"], &[]))
@@ -265,6 +266,27 @@ async fn sandboxes_are_isolated_policies_enforced_and_state_survives_a_crash() {
         .unwrap_err();
     assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
     assert!(e.message().contains("10.0.0.0/8"), "{e:?}");
+    // Names need the egress proxy, which this node does not run: refused, rules unchanged;
+    // a malformed name is refused as such.
+    for (names, code, says) in [
+        (
+            vec!["api.example.com"],
+            tonic::Code::FailedPrecondition,
+            "egress proxy",
+        ),
+        (vec!["*.com"], tonic::Code::InvalidArgument, "wildcard"),
+    ] {
+        let e = cl
+            .set_egress(pb::SetEgressRequest {
+                allow_names: names.iter().map(|s| s.to_string()).collect(),
+                ..egress(&[], &[])
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), code, "{e:?}");
+        assert!(e.message().contains(says), "{e:?}");
+    }
+    assert!(state_of(&c, "iso2").policy.allow_names.is_empty());
     cl.set_egress(egress(&[], &[format!("{allowed}/32")]))
         .await
         .unwrap();

@@ -197,6 +197,7 @@ disks = 0
 [network]
 switch = "cube-vs"
 dns_resolver = "{TEST_RESOLVER}"
+egress_proxy = "169.254.64.1"
 [journal]
 sample_interval_ms = {5000 if runtime == "microvm" else SAMPLE_INTERVAL_MS}
 [switch]

@@ -1,13 +1,18 @@
 """E2B egress rules through the unmodified SDK (2.63): `network.allowOut` / `denyOut` with IP
 addresses and CIDRs, enforced by the node's switch (cube-vs) with E2B's precedence (an allow
-beats a deny), `update_network` replacing a running (or paused) sandbox's rules, and what Cube
-refuses (domain names, reserved ranges) refused by name. An allow entry never opens the node.
+beats a deny), domain names and `*.` wildcards admitted by the node's egress proxy (TLS SNI,
+HTTP Host; never by connecting to an address directly), `dnsServers`, `update_network`
+replacing a running (or paused) sandbox's rules, and what Cube refuses (reserved ranges, names
+in denyOut) refused by name. An allow entry never opens the node.
 
 The "internet" is a network namespace this module creates: two hosts (A and B) with an HTTP
-server each, routed through the node like any outside address."""
+server (port 80, answering with the address it was reached on and the Host it saw) and a TLS
+stand-in (port 443, answering the ClientHello with the address it was reached on), routed
+through the node like any outside address, and a DNS server."""
 
 import os
 import socket
+import ssl
 import subprocess
 import time
 
@@ -23,8 +28,50 @@ A, B, NODE_SIDE = f"{NET}.1", f"{NET}.2", f"{NET}.254"
 # The stack's cubelets are configured with this resolver (conftest: network.dns_resolver).
 RESOLVER = TEST_RESOLVER
 NAME = "svc.cube.test"
+WILD = "*.wild.cube.test"
+IN_WILD = "x.wild.cube.test"
 
-# A DNS server for the test network: NAME is A; every other name does not exist.
+# The hosts' servers: HTTP on 80 says which address it was reached on and the Host it saw; 443
+# answers the first bytes (a TLS ClientHello) with the address only.
+HOST_SERVER = r"""
+import socket, threading
+def one(c, tls):
+    try:
+        c.settimeout(5)
+        data = b""
+        while (len(data) < 5) if tls else (b"\r\n\r\n" not in data):
+            d = c.recv(4096)
+            if not d:
+                break
+            data += d
+        me = c.getsockname()[0]
+        if tls:
+            c.sendall(f"tls-by {me}\n".encode())
+            return
+        host = ""
+        for line in data.split(b"\r\n")[1:]:
+            if line.lower().startswith(b"host:"):
+                host = line[5:].strip().decode(errors="replace")
+        body = f"served-by {me} host {host}\n".encode()
+        c.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    except OSError:
+        pass
+    finally:
+        c.close()
+def serve(port, tls):
+    l = socket.socket()
+    l.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    l.bind(("0.0.0.0", port))
+    l.listen(128)
+    while True:
+        c, _ = l.accept()
+        threading.Thread(target=one, args=(c, tls), daemon=True).start()
+threading.Thread(target=serve, args=(443, True), daemon=True).start()
+serve(80, False)
+"""
+
+# A DNS server for the test network: NAME and names under WILD are A; every other name does
+# not exist.
 DNS_SERVER = f"""
 import socket, struct
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -38,7 +85,8 @@ while True:
         labels.append(q[i + 1:i + 1 + q[i]].decode(errors="replace")); i += 1 + q[i]
     qtype = struct.unpack(">H", q[i + 1:i + 3])[0]
     question = q[12:i + 5]
-    known = ".".join(labels).lower() == "{NAME}"
+    qname = ".".join(labels).lower()
+    known = qname == "{NAME}" or qname.endswith(".wild.cube.test")
     answers = b""
     if known and qtype == 1:
         answers = bytes([0xc0, 0x0c]) + struct.pack(">HHIH", 1, 1, 5, 4) + socket.inet_aton("{A}")
@@ -90,7 +138,7 @@ def inet():
         sh(*x, "ip", "route", "add", "default", "via", NODE_SIDE)
         with open("/proc/sys/net/ipv4/ip_forward", "w") as f:
             f.write("1")
-        srv = subprocess.Popen(x + ["python3", "-m", "http.server", "80", "--bind", "0.0.0.0"],
+        srv = subprocess.Popen(x + ["python3", "-c", HOST_SERVER],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         dns = subprocess.Popen(x + ["python3", "-c", DNS_SERVER],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -198,14 +246,16 @@ def test_update_network_replaces_the_rules_of_a_running_and_a_paused_sandbox(cub
 
 
 @pytest.mark.parametrize("network,named", [
-    ({"allow_out": ["example.com"], "deny_out": [ALL_TRAFFIC]}, "domain names are not implemented"),
-    ({"allow_out": ["*.example.com"]}, "domain names are not implemented"),
+    ({"allow_out": ["*.com"], "deny_out": [ALL_TRAFFIC]}, "*.com"),
+    ({"allow_out": ["*"]}, "allowOut entry"),
     ({"deny_out": ["example.com"]}, "denyOut entry"),
+    ({"allow_out": [NAME], "dns_servers": ["8.8.8.0/24"]}, "dnsServers"),
     ({"allow_out": ["10.1.2.3"]}, "10.0.0.0/8"),
     ({"allow_out": ["169.254.169.254"]}, "169.254.0.0/16"),
     ({"allow_out": ["1.2.3.4/40"]}, "prefix length"),
     ({"allow_out": ["::1"]}, "no IPv6"),
-], ids=["domain", "wildcard", "deny-domain", "private", "metadata", "bad-prefix", "ipv6-allow"])
+], ids=["wildcard-tld", "bare-wildcard", "deny-domain", "dns-cidr", "private", "metadata",
+        "bad-prefix", "ipv6-allow"])
 def test_entries_cube_cannot_enforce_are_refused(cube, inet, network, named):
     before = live_ids(cube)
     with pytest.raises(SandboxException) as e:
@@ -218,8 +268,8 @@ def test_a_refused_update_leaves_the_rules_as_they_were(cube, inet):
     sbx = Sandbox.create(TEMPLATE, timeout=120, network={"deny_out": [A]})
     try:
         for bad, named in [({"allow_out": ["10.0.0.0/8"]}, "10.0.0.0/8"),
-                           ({"allow_out": ["example.com"]}, "domain names"),
-                           ({"dns_servers": ["1.1.1.1"]}, "dnsServers")]:
+                           ({"deny_out": ["example.com"]}, "denyOut entry"),
+                           ({"allow_out": [NAME], "dns_servers": ["::1"]}, "dnsServers")]:
             with pytest.raises(SandboxException) as e:
                 sbx.update_network(bad)
             assert "400" in str(e.value) and named in str(e.value), str(e.value)
@@ -281,3 +331,89 @@ def test_names_resolve_through_the_configured_resolver_only_while_internet_is_on
         assert reaches(sbx, NAME)
     finally:
         sbx.kill()
+
+
+def http_via(sbx, ip, host):
+    """What the server says to a request for `host` sent to ip:80 ("" when refused)."""
+    r = sbx.commands.run(
+        f"printf 'GET / HTTP/1.0\\r\\nHost: {host}\\r\\n\\r\\n' | nc -w 3 {ip} 80; true",
+        timeout=30)
+    return r.stdout.strip().rsplit("\n", 1)[-1] if r.stdout.strip() else ""
+
+
+def client_hello(name):
+    """The first bytes a TLS client sends, with `name` as the SNI (None: no SNI)."""
+    ctx = ssl.create_default_context()
+    if name is None:
+        ctx.check_hostname = False
+    inc, out = ssl.MemoryBIO(), ssl.MemoryBIO()
+    obj = ctx.wrap_bio(inc, out, server_hostname=name)
+    with pytest.raises(ssl.SSLWantReadError):
+        obj.do_handshake()
+    return out.read()
+
+
+def tls_via(sbx, ip, name):
+    """What the TLS stand-in says to a ClientHello for `name` sent to ip:443 ("" refused)."""
+    path = f"/tmp/hello-{name or 'none'}"
+    sbx.files.write(path, client_hello(name))
+    return sbx.commands.run(f"nc -w 3 {ip} 443 < {path}; true", timeout=30).stdout.strip()
+
+
+def test_allowed_names_are_reached_by_name_and_only_by_name(cube, inet):
+    sbx = Sandbox.create(TEMPLATE, timeout=120,
+                         network={"deny_out": [ALL_TRAFFIC], "allow_out": [NAME, WILD]})
+    try:
+        assert network_of(cube, sbx)["allowOut"] == sorted([NAME, WILD])
+        assert http_via(sbx, A, NAME) == f"served-by {A} host {NAME}"
+        assert tls_via(sbx, A, NAME) == f"tls-by {A}"
+        # A wildcard is subdomains only.
+        assert http_via(sbx, A, IN_WILD) == f"served-by {A} host {IN_WILD}"
+        assert http_via(sbx, A, "wild.cube.test") == ""
+        # Other names, no name, an address literal: refused, as root, on either protocol.
+        assert http_via(sbx, A, "other.cube.test") == ""
+        assert http_via(sbx, A, A) == ""
+        assert tls_via(sbx, A, "other.cube.test") == ""
+        assert tls_via(sbx, A, None) == ""
+        # Naming the allowed host while connecting to another address reaches the allowed
+        # host's address (the node resolves the name), never the address connected to.
+        assert http_via(sbx, B, NAME) == f"served-by {A} host {NAME}"
+        assert tls_via(sbx, B, NAME) == f"tls-by {A}"
+        # Without dnsServers the node's resolver answers (deny-all or not): names resolve.
+        assert sbx.commands.run(f"nc -z -w 2 {NAME} 80 && echo yes || echo no").stdout.strip() \
+            == "yes"
+        # The update replaces the names too.
+        sbx.update_network({"deny_out": [ALL_TRAFFIC], "allow_out": [IN_WILD]})
+        assert http_via(sbx, A, NAME) == ""
+        assert http_via(sbx, A, IN_WILD) == f"served-by {A} host {IN_WILD}"
+        sbx.update_network({"deny_out": [ALL_TRAFFIC]})
+        assert http_via(sbx, A, IN_WILD) == ""
+        assert not reaches(sbx, A)
+    finally:
+        sbx.kill()
+
+
+def test_dns_servers_choose_what_dns_the_sandbox_may_reach(cube, inet):
+    # None: no DNS, and the allowed name still works by name (E2B).
+    sbx = Sandbox.create(TEMPLATE, timeout=120, network={
+        "deny_out": [ALL_TRAFFIC], "allow_out": [NAME], "dns_servers": []})
+    try:
+        assert network_of(cube, sbx)["dnsServers"] == []
+        resolve = f"nc -z -w 2 {NAME} 80 && echo yes || echo no"
+        assert sbx.commands.run(resolve).stdout.strip() == "no", "DNS answered with []"
+        assert http_via(sbx, A, NAME) == f"served-by {A} host {NAME}"
+        # A server of the user's: all traffic to it is allowed (the test resolver here).
+        sbx.update_network({"deny_out": [ALL_TRAFFIC], "allow_out": [NAME],
+                            "dns_servers": [RESOLVER]})
+        assert sbx.commands.run(resolve).stdout.strip() == "yes"
+        assert network_of(cube, sbx)["dnsServers"] == [RESOLVER]
+    finally:
+        sbx.kill()
+    # Without names dnsServers change nothing (E2B): deny-all still has no DNS.
+    plain = Sandbox.create(TEMPLATE, timeout=120, network={
+        "deny_out": [ALL_TRAFFIC], "allow_out": [B], "dns_servers": [RESOLVER]})
+    try:
+        assert not reaches(plain, NAME)
+        assert reaches(plain, B)
+    finally:
+        plain.kill()

@@ -191,12 +191,11 @@ def test_started_after_filters_the_listing(cube):
 
 
 @pytest.mark.parametrize("opts,named", [
-    ({"network": {"dns_servers": ["1.1.1.1"]}}, "network.dnsServers"),
     ({"network": {"egress_proxy": {"address": "127.0.0.1:1080"}}}, "network.egressProxy"),
     ({"network": {"https_ports": [8443]}}, "network.httpsPorts"),
     ({"lifecycle": {"on_timeout": {"action": "pause", "mode": "filesystem"}}}, "autoPauseMemory"),
     ({"mcp": {"github": {"githubPersonalAccessToken": "x"}}}, "mcp"),
-], ids=["dnsServers", "egressProxy", "httpsPorts", "autoPauseMemory", "mcp"])
+], ids=["egressProxy", "httpsPorts", "autoPauseMemory", "mcp"])
 def test_options_cube_does_not_implement_are_refused_by_name(cube, opts, named):
     before = live_ids(cube)
     with pytest.raises(SandboxException) as e:

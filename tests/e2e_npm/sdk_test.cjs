@@ -171,15 +171,25 @@ const cases = [
       // 2.13 has no network option; its create body carries an unknown field the same way.
       const r = await fetch(process.env.E2B_API_URL + '/sandboxes', {
         method: 'POST', headers: { 'X-API-KEY': process.env.E2B_API_KEY, 'Content-Type': 'application/json' },
-        body: JSON.stringify({ templateID: TEMPLATE, network: { dnsServers: ['1.1.1.1'] } }),
+        body: JSON.stringify({ templateID: TEMPLATE, network: { egressProxy: { address: 'p:1080' } } }),
       })
       const body = await r.json()
-      assert(r.status === 400 && body.message.includes('network.dnsServers'), JSON.stringify(body))
+      assert(r.status === 400 && body.message.includes('network.egressProxy'), JSON.stringify(body))
       return
     }
-    // Domain names in allowOut are not implemented: refused, not accepted and ignored.
-    const e = await rejects(Sandbox.create(TEMPLATE, { network: { allowOut: ['example.com'], denyOut: ['0.0.0.0/0'] } }), null, 'allowOut domain')
-    assert(String(e).includes('allowOut entry') && String(e).includes('domain names'), 'named in the error: ' + e)
+    // Domain names are E2B's in allowOut only: one in denyOut is refused by name.
+    const e = await rejects(Sandbox.create(TEMPLATE, { network: { denyOut: ['example.com'] } }), null, 'denyOut domain')
+    assert(String(e).includes('denyOut entry') && String(e).includes('allowOut only'), 'named in the error: ' + e)
+    // Names and wildcards in allowOut are taken and reported as normalised (2.51 has no
+    // dnsServers; tests/e2e/test_egress.py checks the egress proxy enforcing names).
+    const named = await Sandbox.create(TEMPLATE, { network: { allowOut: ['Svc.Cube.Test.', '*.wild.cube.test'], denyOut: ['0.0.0.0/0'] } })
+    try {
+      const info = await fetch(process.env.E2B_API_URL + '/sandboxes/' + named.sandboxId, { headers: { 'X-API-KEY': process.env.E2B_API_KEY } }).then(r => r.json())
+      assert(JSON.stringify(info.network.allowOut) === '["*.wild.cube.test","svc.cube.test"]', JSON.stringify(info.network))
+      assert(info.network.dnsServers === undefined, JSON.stringify(info.network))
+    } finally {
+      await named.kill()
+    }
     // An address deny is enforced, and the detail reports it.
     const s = await Sandbox.create(TEMPLATE, { network: { denyOut: ['198.51.100.9'] } })
     try {

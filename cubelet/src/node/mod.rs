@@ -454,9 +454,7 @@ impl Node {
     pub async fn set_egress(
         &self,
         id: &str,
-        internet: bool,
-        allow: Vec<String>,
-        deny: Vec<String>,
+        egress: crate::network::Egress,
     ) -> Result<SandboxState, NodeError> {
         let e = self.entry(id)?;
         let mut st = e.lock().await;
@@ -466,12 +464,7 @@ impl Node {
                 st.phase
             )));
         }
-        let policy = Policy {
-            internet,
-            allow_cidrs: allow,
-            deny_cidrs: deny,
-            ..st.policy.clone()
-        };
+        let policy = st.policy.with_egress(egress);
         let hook = self.host.net.hook();
         if let Some(ep) = &st.endpoint {
             hook.update_policy(ep, &policy)
@@ -489,6 +482,7 @@ impl Node {
                 ("internet", &policy.internet.to_string()),
                 ("allowOut", &policy.allow_cidrs.join(",")),
                 ("denyOut", &policy.deny_cidrs.join(",")),
+                ("allowNames", &policy.allow_names.join(",")),
             ],
         );
         st.policy = policy;
