@@ -8,7 +8,8 @@ Measures (targets from issue 6, namespace runtime):
   list_1000         GET /v2/sandboxes (the SDK's first page) with N live sandboxes: p95 <= 20 ms
   edge_health       GET /health through the edge (envd round trip without the agent's work)
   egress            (issue 19) create p50 with a 20-entry denyOut within 1 ms of create without
-                    one (interleaved, same run); update_network (PUT /sandboxes/{id}/network) <= 5 ms
+                    one (interleaved, same run), and with 20 allowOut names (the node's egress
+                    proxy gets them); update_network (PUT /sandboxes/{id}/network) <= 5 ms
 
 Uses E2B_API_URL, E2B_SANDBOX_URL and E2B_API_KEY (as printed by deploy/dev-up.sh), or starts a
 private stack with --local-stack (the tests/e2e fixture: needs root and CARGO_TARGET_DIR with the
@@ -192,17 +193,21 @@ def bench_auto_resume(Sandbox, template, sandbox_url, api_url, key, n):
 
 # 20 public /32s (TEST-NET-2/3): nothing listens there, only the rule count matters.
 EGRESS_20 = [f"198.51.100.{i}" for i in range(1, 11)] + [f"203.0.113.{i}" for i in range(1, 11)]
+# 20 names for the egress proxy (10 exact, 10 wildcards), with everything else denied.
+NAMES_20 = [f"api{i}.bench.test" for i in range(10)] + [f"*.cdn{i}.bench.test" for i in range(10)]
 
 
 def bench_egress(Sandbox, template, n):
-    """Creates with and without a 20-entry policy, alternating so both see the same machine;
-    then `update_network` on one sandbox, alternating two 20-entry policies."""
-    plain, ruled, kills = [], [], killer()
-    for i in range(2 * n):
-        opts = {"network": {"deny_out": EGRESS_20}} if i % 2 else {}
+    """Creates with no policy, a 20-entry policy and 20 allowed names, interleaved so all see
+    the same machine; then `update_network` on one sandbox, alternating two 20-entry policies."""
+    plain, ruled, named, kills = [], [], [], killer()
+    modes = [(plain, {}), (ruled, {"network": {"deny_out": EGRESS_20}}),
+             (named, {"network": {"allow_out": NAMES_20, "deny_out": ["0.0.0.0/0"]}})]
+    for i in range(3 * n):
+        out, opts = modes[i % 3]
         t0 = time.perf_counter()
         s = Sandbox.create(template, timeout=120, **opts)
-        (ruled if i % 2 else plain).append((time.perf_counter() - t0) * 1000)
+        out.append((time.perf_counter() - t0) * 1000)
         kills.submit(s.kill)
     kills.shutdown(wait=True)
     s = Sandbox.create(template, timeout=120)
@@ -215,7 +220,8 @@ def bench_egress(Sandbox, template, n):
             up.append((time.perf_counter() - t0) * 1000)
     finally:
         s.kill()
-    return {"create_plain": summary(plain), "create_20_rules": summary(ruled), "update_network": summary(up)}
+    return {"create_plain": summary(plain), "create_20_rules": summary(ruled),
+            "create_20_names": summary(named), "update_network": summary(up)}
 
 
 def measure(a, Sandbox, cube, stack):
@@ -288,6 +294,9 @@ def rows_of(R):
         rows += [("create p50, no egress rules", c["create_plain"]["p50_ms"], "ms", ""),
                  ("create p50, 20 denyOut entries", c["create_20_rules"]["p50_ms"], "ms", ""),
                  ("create p50 cost of 20 rules", d, "ms", "<= 1"),
+                 ("create p50, 20 allowOut names (deny-all)", c["create_20_names"]["p50_ms"], "ms", ""),
+                 ("create p50 cost of 20 names",
+                  c["create_20_names"]["p50_ms"] - c["create_plain"]["p50_ms"], "ms", "<= 1"),
                  ("update_network p50 (20 entries)", c["update_network"]["p50_ms"], "ms", "<= 5"),
                  ("update_network p95", c["update_network"]["p95_ms"], "ms", "")]
     return rows

@@ -170,6 +170,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                     .http_addr
                     .parse()
                     .with_context(|| format!("http_addr {:?}", cfg.http_addr))?;
+                let mut proxy_names = None;
                 let hook: Arc<dyn cubelet::network::NetworkHook> = match cfg.network.switch {
                     SwitchKind::CubeVs => {
                         // The proxy listens before the switch opens: its port is the DNAT target.
@@ -187,6 +188,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                                 sw.egress_proxy = Some(proxy.local_addr()?);
                                 tracing::info!(addr = ?sw.egress_proxy, "egress proxy listening");
                                 tokio::spawn(proxy.run());
+                                proxy_names = Some(reg.clone());
                                 Some(reg)
                             }
                             None => None,
@@ -211,6 +213,13 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                 // The master link uses the same fleet identity as the gRPC server.
                 cube_proto::tls::set_process_tls(cfg.tls.clone()).context("[tls]")?;
                 let node = cubelet::node::Node::start(cfg, hook).await?;
+                if let Some(reg) = proxy_names {
+                    node.host
+                        .metrics
+                        .registry
+                        .register(Box::new(reg.connections.clone()))
+                        .context("registering the egress proxy's metrics")?;
+                }
                 node.spawn_refiller();
                 node.spawn_sampler();
                 // `[master] address` set: register and heartbeat (never fatal).

@@ -15,6 +15,7 @@ import socket
 import ssl
 import subprocess
 import time
+import urllib.request
 
 import pytest
 from e2b import ALL_TRAFFIC, Sandbox
@@ -360,7 +361,17 @@ def tls_via(sbx, ip, name):
     return sbx.commands.run(f"nc -w 3 {ip} 443 < {path}; true", timeout=30).stdout.strip()
 
 
+def proxy_count(cube, verdict):
+    """The node's egress proxy connections with this verdict so far."""
+    text = urllib.request.urlopen(cube.cubelet_http + "/metrics", timeout=5).read().decode()
+    for line in text.splitlines():
+        if line.startswith(f'cube_egress_proxy_connections_total{{verdict="{verdict}"}}'):
+            return int(float(line.split()[-1]))
+    return 0
+
+
 def test_allowed_names_are_reached_by_name_and_only_by_name(cube, inet):
+    admitted, refused = proxy_count(cube, "admitted"), proxy_count(cube, "refused")
     sbx = Sandbox.create(TEMPLATE, timeout=120,
                          network={"deny_out": [ALL_TRAFFIC], "allow_out": [NAME, WILD]})
     try:
@@ -379,6 +390,14 @@ def test_allowed_names_are_reached_by_name_and_only_by_name(cube, inet):
         # host's address (the node resolves the name), never the address connected to.
         assert http_via(sbx, B, NAME) == f"served-by {A} host {NAME}"
         assert tls_via(sbx, B, NAME) == f"tls-by {A}"
+        # The node counts what its proxy did (5 admitted, 5 refused above; a connection is
+        # counted when it ends).
+        for _ in range(50):
+            if proxy_count(cube, "admitted") - admitted >= 5:
+                break
+            time.sleep(0.1)
+        assert proxy_count(cube, "admitted") - admitted >= 5
+        assert proxy_count(cube, "refused") - refused >= 5
         # Without dnsServers the node's resolver answers (deny-all or not): names resolve.
         assert sbx.commands.run(f"nc -z -w 2 {NAME} 80 && echo yes || echo no").stdout.strip() \
             == "yes"

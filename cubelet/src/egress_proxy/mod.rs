@@ -37,9 +37,27 @@ const RESOLVE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Which names each sandbox (by host address) may reach; cube-vs' hook keeps it in step with
 /// the switch.
-#[derive(Default)]
 pub struct Registry {
     by_addr: RwLock<HashMap<Ipv4Addr, Arc<NameSet>>>,
+    /// `cube_egress_proxy_connections_total{verdict="admitted"|"refused"}` (register it with
+    /// the node's metrics).
+    pub connections: prometheus::IntCounterVec,
+}
+
+impl Default for Registry {
+    fn default() -> Self {
+        Registry {
+            by_addr: RwLock::default(),
+            connections: prometheus::IntCounterVec::new(
+                prometheus::Opts::new(
+                    "cube_egress_proxy_connections_total",
+                    "Sandbox connections the egress proxy admitted to an allowed name or refused",
+                ),
+                &["verdict"],
+            )
+            .expect("static metric"),
+        }
+    }
 }
 
 impl Registry {
@@ -121,9 +139,14 @@ impl EgressProxy {
                 Ok((s, peer)) => {
                     let (reg, resolver) = (self.registry.clone(), self.resolver);
                     tokio::spawn(async move {
-                        if let Err(why) = serve(s, peer, &reg, resolver).await {
-                            tracing::debug!(%peer, %why, "egress proxy: connection refused");
-                        }
+                        let verdict = match serve(s, peer, &reg, resolver).await {
+                            Ok(()) => "admitted",
+                            Err(why) => {
+                                tracing::debug!(%peer, %why, "egress proxy: connection refused");
+                                "refused"
+                            }
+                        };
+                        reg.connections.with_label_values(&[verdict]).inc();
                     });
                 }
                 Err(e) => {
