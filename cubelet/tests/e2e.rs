@@ -487,6 +487,12 @@ async fn restart_readopts(runtime: &'static str) {
     .unwrap();
     sh(&sb, "echo before > /tmp/x").await;
     let st = state_of(&c, "keep1");
+    // The sampler (every 500 ms here) samples, pulls the agent's log and writes the journal.
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    let crashed_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
     c.crash();
     // The sandbox outlives its cubelet.
     assert!(cubelet::runtime::is_alive(st.pid, st.pid_start));
@@ -526,6 +532,49 @@ async fn restart_readopts(runtime: &'static str) {
     );
     let (_, out) = sh(&sb, "cat /tmp/x").await;
     assert_eq!(out, "before\n");
+    // The history from before the crash is still there, and the log goes on.
+    let before = cl
+        .sandbox_metrics(pb::SandboxMetricsRequest {
+            sandbox_id: "keep1".into(),
+            start_ms: 0,
+            end_ms: crashed_ms,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .samples;
+    assert!(!before.is_empty(), "no samples from before the crash");
+    let log = |cl: &mut pb::node_client::NodeClient<tonic::transport::Channel>| {
+        let mut cl = cl.clone();
+        async move {
+            cl.sandbox_logs(pb::SandboxLogsRequest {
+                sandbox_id: "keep1".into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .entries
+            .into_iter()
+            .map(|e| {
+                format!(
+                    "{} {}",
+                    e.message,
+                    e.fields.get("cmd").cloned().unwrap_or_default()
+                )
+            })
+            .collect::<Vec<String>>()
+        }
+    };
+    let msgs = log(&mut cl).await;
+    let at = |m: &[String], what: &str| m.iter().position(|x| x.contains(what));
+    let created = at(&msgs, "Sandbox created").unwrap_or_else(|| panic!("{msgs:?}"));
+    let readopted = at(&msgs, "re-adopted").unwrap_or_else(|| panic!("{msgs:?}"));
+    assert!(created < readopted, "{msgs:?}");
+    assert!(
+        msgs[..readopted].iter().any(|m| m.contains("echo before")),
+        "the agent's log from before the crash: {msgs:?}"
+    );
     let g = cl
         .get_sandbox(pb::SandboxRef {
             sandbox_id: "keep2".into(),

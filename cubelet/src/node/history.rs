@@ -15,6 +15,9 @@ const PULL_TIMEOUT: Duration = Duration::from_secs(3);
 pub(super) const LAST_PULL_TIMEOUT: Duration = Duration::from_millis(500);
 /// Pages pulled at once (an agent keeps 1000 entries; a page is 500).
 const PULL_PAGES: usize = 4;
+/// Sandboxes sampled at once: an agent that does not answer holds up only its own slot, and a
+/// pass is not a burst at every guest (on hosts where guest kernels are emulated, that costs).
+const SAMPLE_CONCURRENCY: usize = 4;
 
 impl Node {
     /// Starts the background sampler.
@@ -33,21 +36,33 @@ impl Node {
                 }
                 node.sample_all().await;
                 node.journal.prune(crate::template::now_ms());
+                let n = node.clone();
+                // File writes off the runtime's threads.
+                let _ = tokio::task::spawn_blocking(move || n.journal.flush()).await;
             }
+            let n = node.clone();
+            let _ = tokio::task::spawn_blocking(move || n.journal.flush()).await;
         });
     }
 
     /// One pass over the running sandboxes; one that is busy (being paused, snapshotted) is
     /// left for the next pass.
     pub async fn sample_all(&self) {
-        for e in self.entries() {
-            let st = match e.try_lock() {
-                Ok(st) if st.phase == Phase::Running => st.clone(),
-                _ => continue,
-            };
-            self.record_sample(&st).await;
-            self.pull_agent_log(&st, PULL_TIMEOUT).await;
-        }
+        use futures::StreamExt;
+        let running: Vec<SandboxState> = self
+            .entries()
+            .into_iter()
+            .filter_map(|e| match e.try_lock() {
+                Ok(st) if st.phase == Phase::Running => Some(st.clone()),
+                _ => None,
+            })
+            .collect();
+        futures::stream::iter(running)
+            .for_each_concurrent(SAMPLE_CONCURRENCY, |st| async move {
+                self.record_sample(&st).await;
+                self.pull_agent_log(&st, PULL_TIMEOUT).await;
+            })
+            .await;
     }
 
     async fn record_sample(&self, st: &SandboxState) {

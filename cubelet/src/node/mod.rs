@@ -155,7 +155,9 @@ impl Node {
         });
         let runtime = crate::runtime::build(&selection, host.clone())
             .with_context(|| format!("runtime {:?}", selection.runtime))?;
-        let journal = crate::journal::Journal::new(host.cfg.journal.clone());
+        let journal_dir = host.cfg.data_dir.join("journal");
+        let journal = crate::journal::Journal::open(host.cfg.journal.clone(), &journal_dir)
+            .with_context(|| format!("opening the journal in {}", journal_dir.display()))?;
         let node = Arc::new(Node {
             host,
             runtime,

@@ -22,8 +22,7 @@ impl Node {
                 Ok(st) if self.readoptable(&st, &name) => {
                     tracing::info!(id = %st.id, pid = st.pid, phase = ?st.phase, runtime = st.runtime.name(), "re-adopted sandbox");
                     live.push(st.clone());
-                    // The access token is not on disk: a secure sandbox's agent log is not
-                    // pulled again until it is re-created (its samples still are).
+                    // The journal kept its book (and the agent's token) on disk.
                     self.journal.begin(&st.id, st.created_at_ms, None);
                     self.journal.event(
                         &st.id,
@@ -72,6 +71,8 @@ impl Node {
             }
         }
         self.runtime.reap_leftovers(&live);
+        let ids: std::collections::HashSet<String> = live.iter().map(|s| s.id.clone()).collect();
+        self.journal.end_missing(&ids, crate::template::now_ms());
         self.update_gauges();
     }
 

@@ -134,6 +134,8 @@ disk_templates = [{dt}]
 refill_interval_ms = 50
 [network]
 switch = "{switch}"
+[journal]
+sample_interval_ms = 500
 [switch]
 host_pool = "{host_pool}"
 pin_root = "{pin}"
