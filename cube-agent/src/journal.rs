@@ -1,5 +1,5 @@
 //! What the agent tells its node about the sandbox's life, for E2B's sandbox logs: process
-//! starts and exits. A bounded ring with a sequence number; the node pulls what is new with
+//! starts and exits, and what processes write to stdout and stderr (bounded per process). A bounded ring with a sequence number; the node pulls what is new with
 //! `GET /logs?after=<seq>` and keeps it past the sandbox's end (the agent's copy dies with it).
 
 use serde::Serialize;
@@ -46,6 +46,11 @@ fn now_ms() -> u64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0)
+}
+
+/// `s` cut to the longest field the journal keeps (on a character boundary, marked `…`).
+pub fn cut_text(s: &str) -> String {
+    cut(s.to_string())
 }
 
 fn cut(mut s: String) -> String {

@@ -84,7 +84,13 @@ pub struct Process {
     subs: Mutex<Subscribers>,
     /// Output readers currently handing a chunk to streams (see the driver's drain logic).
     publishing: AtomicUsize,
+    /// Output chunks recorded in the journal so far (see [`LOGGED_CHUNKS`]).
+    logged: AtomicUsize,
 }
+
+/// Output chunks of one process the journal records (stdout and stderr together), so that a
+/// chatty process cannot push every other event out of the agent's bounded ring.
+const LOGGED_CHUNKS: usize = 64;
 
 impl Process {
     /// A receiver of all events from now on. If the process already ended, it gets the end event.
@@ -481,6 +487,7 @@ impl ProcessManager {
             pty: pty.clone(),
             subs: Mutex::new(Subscribers::default()),
             publishing: AtomicUsize::new(0),
+            logged: AtomicUsize::new(0),
         });
         let rx = proc_.subscribe();
         self.procs
@@ -496,14 +503,14 @@ impl ProcessManager {
         }
         if let Some(out) = child.stdout.take() {
             if let Ok(r) = tokio::net::unix::pipe::Receiver::from_owned_fd(OwnedFd::from(out)) {
-                let p = proc_.clone();
-                readers.push(tokio::spawn(async move { read_pipe(r, p, false).await }));
+                let (p, m) = (proc_.clone(), self.clone());
+                readers.push(tokio::spawn(async move { read_pipe(r, p, false, m).await }));
             }
         }
         if let Some(err) = child.stderr.take() {
             if let Ok(r) = tokio::net::unix::pipe::Receiver::from_owned_fd(OwnedFd::from(err)) {
-                let p = proc_.clone();
-                readers.push(tokio::spawn(async move { read_pipe(r, p, true).await }));
+                let (p, m) = (proc_.clone(), self.clone());
+                readers.push(tokio::spawn(async move { read_pipe(r, p, true, m).await }));
             }
         }
         drop(child);
@@ -580,12 +587,45 @@ fn end_info(st: WaitStatus) -> EndInfo {
     }
 }
 
-async fn read_pipe(mut r: tokio::net::unix::pipe::Receiver, p: Arc<Process>, stderr: bool) {
+/// Records an output chunk in the journal (E2B's sandbox logs carry stdout and stderr): the
+/// text as the message (searchable), cut to the journal's field size; past
+/// [`LOGGED_CHUNKS`], one entry says the rest is not recorded.
+fn log_output(mgr: &ProcessManager, p: &Process, stderr: bool, data: &[u8]) {
+    let n = p.logged.fetch_add(1, Ordering::Relaxed);
+    if n > LOGGED_CHUNKS {
+        return;
+    }
+    let stream = if stderr { "stderr" } else { "stdout" };
+    let fields = [
+        ("logger", "process".to_string()),
+        ("pid", p.pid.to_string()),
+        ("stream", stream.to_string()),
+    ];
+    if n == LOGGED_CHUNKS {
+        let m = format!("Further output of process {} is not in the log", p.pid);
+        mgr.journal.record(crate::journal::Level::Info, &m, &fields);
+        return;
+    }
+    let text = String::from_utf8_lossy(data);
+    mgr.journal.record(
+        crate::journal::Level::Info,
+        &crate::journal::cut_text(&text),
+        &fields,
+    );
+}
+
+async fn read_pipe(
+    mut r: tokio::net::unix::pipe::Receiver,
+    p: Arc<Process>,
+    stderr: bool,
+    mgr: Arc<ProcessManager>,
+) {
     let mut buf = vec![0u8; READ_CHUNK];
     loop {
         match r.read(&mut buf).await {
             Ok(0) | Err(_) => break,
             Ok(n) => {
+                log_output(&mgr, &p, stderr, &buf[..n]);
                 let b = Bytes::copy_from_slice(&buf[..n]);
                 p.publish_output(if stderr {
                     Output::Stderr(b)

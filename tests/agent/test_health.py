@@ -94,3 +94,23 @@ def test_logs_journal_of_process_starts_and_exits(sbx, raw):
     assert raw.request("GET", f"/logs?after={page['next']}").json()["entries"] == []
     assert raw.request("GET", "/logs?after=-1").status == 400
     assert raw.request("GET", "/logs?limit=x").status == 400
+
+
+def test_logs_journal_has_stdout_and_stderr_bounded_per_process(sbx, raw):
+    """What a process writes is in the log (E2B's sandbox logs carry it), each chunk as a
+    searchable message with its stream; a chatty process gets 64 chunks and one entry saying
+    the rest is not recorded, so it cannot push the other events out of the agent's ring."""
+    start = raw.request("GET", "/logs?after=0&limit=1000").json()["next"]
+    sbx.commands.run("echo to-out; echo to-err >&2")
+    mine = raw.request("GET", f"/logs?after={start}&limit=1000").json()["entries"]
+    out = [(e["message"], e["fields"]["stream"]) for e in mine if "stream" in e["fields"]]
+    assert ("to-out\n", "stdout") in out and ("to-err\n", "stderr") in out, mine
+    assert [e["message"] for e in mine][0] == "Process started"
+    assert [e["message"] for e in mine][-1] == "Process exited"
+    start = raw.request("GET", "/logs?after=0&limit=1000").json()["next"]
+    sbx.commands.run("for i in $(seq 200); do echo line $i; sleep 0.01; done")
+    mine = raw.request("GET", f"/logs?after={start}&limit=1000").json()["entries"]
+    chunks = [e for e in mine if "stream" in e["fields"]]
+    assert len(chunks) == 65, len(chunks)
+    assert chunks[-1]["message"].startswith("Further output of process"), chunks[-1]
+    assert mine[-1]["message"] == "Process exited"

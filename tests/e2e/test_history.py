@@ -108,6 +108,10 @@ def test_logs_record_the_lifecycle_and_the_agents_processes(cube):
         assert entries[0].fields["template"] == TEMPLATE
         started = [e for e in entries if e.message == "Process started"]
         assert any("echo logged-ok" in e.fields["cmd"] for e in started), started
+        # What it wrote is there too, by stream, and search finds it.
+        out = [e for e in entries if e.fields.additional_properties.get("stream") == "stdout"]
+        assert any(e.message == "logged-ok\n" for e in out), out
+        assert [e.message for e in logs_v2(sid, search="logged-ok")] == ["logged-ok\n"]
         assert all(e.fields["logger"] == "process" and int(e.fields["pid"]) > 1 for e in started)
         # Oldest first, and times that go forward.
         times = [e.timestamp for e in entries]
