@@ -125,13 +125,21 @@ impl Fields {
         }
     }
 
-    /// A `{string: string}` object.
+    /// A `{string: string}` object (absent or `null` = empty).
     pub fn string_map(
         &mut self,
         key: &str,
     ) -> Result<std::collections::HashMap<String, String>, ApiError> {
+        Ok(self.opt_string_map(key)?.unwrap_or_default())
+    }
+
+    /// A `{string: string}` object, `None` when absent or `null`.
+    pub fn opt_string_map(
+        &mut self,
+        key: &str,
+    ) -> Result<Option<std::collections::HashMap<String, String>>, ApiError> {
         let Some(mut o) = self.object(key)? else {
-            return Ok(Default::default());
+            return Ok(None);
         };
         let prefix = o.prefix.clone();
         std::mem::take(&mut o.map)
@@ -142,7 +150,8 @@ impl Fields {
                     "{prefix}{k} must be a string"
                 ))),
             })
-            .collect()
+            .collect::<Result<_, _>>()
+            .map(Some)
     }
 
     /// A field Cube does not implement: absent, `null` or empty (`[]`, `{}`, `""`) is fine,

@@ -12,6 +12,7 @@ pub mod rest;
 pub mod sandbox_cache;
 pub mod sandbox_logs;
 pub mod sandbox_metrics;
+pub mod secrets;
 pub mod snapshots;
 
 pub use config::ApiConfig;

@@ -72,6 +72,16 @@ pub fn router(state: AppState) -> Router {
         .route("/templates/:id", delete(crate::snapshots::delete_template))
         .route("/sandboxes/:id/fork", post(crate::snapshots::fork))
         .route("/v2/sandboxes/:id/fork", post(crate::snapshots::fork))
+        .route(
+            "/secrets",
+            post(crate::secrets::create).get(crate::secrets::list),
+        )
+        .route(
+            "/secrets/:id",
+            get(crate::secrets::get_one)
+                .post(crate::secrets::update)
+                .delete(crate::secrets::delete),
+        )
         .route("/sandboxes/:id/metrics", get(crate::sandbox_metrics::one))
         .route("/sandboxes/metrics", get(crate::sandbox_metrics::many))
         .route("/sandboxes/:id/logs", get(crate::sandbox_logs::v1))

@@ -51,6 +51,10 @@ pub struct MasterConfig {
     /// fleet must share it). Empty = `<database file>.token-key` for SQLite; PostgreSQL needs
     /// it set.
     pub token_key_file: String,
+    /// The key secret values are sealed with (32 raw bytes, created mode 0600 when absent;
+    /// every master of a fleet must share it). Empty = beside the token key:
+    /// `<database file>.secrets-key` for SQLite, `<token_key_file>.secrets-key` otherwise.
+    pub secrets_key_file: String,
 }
 
 impl Default for MasterConfig {
@@ -76,6 +80,7 @@ impl Default for MasterConfig {
             log_format: Default::default(),
             tls: None,
             token_key_file: String::new(),
+            secrets_key_file: String::new(),
         }
     }
 }
@@ -97,6 +102,22 @@ impl MasterConfig {
                 )
             })?;
         Ok(format!("{db}.token-key").into())
+    }
+
+    /// Where the secrets key lives (see `secrets_key_file`).
+    pub fn secrets_key_path(&self) -> anyhow::Result<std::path::PathBuf> {
+        if !self.secrets_key_file.is_empty() {
+            return Ok(self.secrets_key_file.clone().into());
+        }
+        let t = self.token_key_path().map_err(|_| {
+            anyhow::anyhow!(
+                "secrets_key_file is required unless token_key_file is set or database_url is \
+                 an absolute sqlite:// path"
+            )
+        })?;
+        let t = t.to_string_lossy();
+        let base = t.strip_suffix(".token-key").unwrap_or(&t);
+        Ok(format!("{base}.secrets-key").into())
     }
 
     /// Reads a config file; a missing file means all defaults.

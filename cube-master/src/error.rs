@@ -9,6 +9,8 @@ pub enum MasterError {
     #[error("{0}")]
     NotFound(String),
     #[error("{0}")]
+    AlreadyExists(String),
+    #[error("{0}")]
     FailedPrecondition(String),
     #[error("{0}")]
     Unauthenticated(String),
@@ -36,6 +38,7 @@ impl From<MasterError> for tonic::Status {
         match e {
             MasterError::InvalidArgument(_) => tonic::Status::invalid_argument(msg),
             MasterError::NotFound(_) => tonic::Status::not_found(msg),
+            MasterError::AlreadyExists(_) => tonic::Status::already_exists(msg),
             MasterError::FailedPrecondition(_) => tonic::Status::failed_precondition(msg),
             MasterError::Unauthenticated(_) => tonic::Status::unauthenticated(msg),
             MasterError::ResourceExhausted(_) => tonic::Status::resource_exhausted(msg),

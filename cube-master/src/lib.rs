@@ -17,6 +17,7 @@ pub mod reaper;
 pub mod sandbox_history;
 pub mod sandbox_metrics;
 pub mod scheduler;
+pub mod secrets;
 pub mod server;
 pub mod service;
 pub mod snapshots;

@@ -71,7 +71,13 @@ async fn run(cfg: MasterConfig) -> anyhow::Result<()> {
     let metrics_addr = cfg.metrics_addr.clone();
     let key_path = cfg.token_key_path()?;
     let key = cube_master::token::TokenKey::load_or_create(&key_path)?;
-    let ctl = Arc::new(Controller::new(cfg, db, nodes).with_token_key(key));
+    let secrets_path = cfg.secrets_key_path()?;
+    let secrets = cube_master::secrets::SecretsKey::load_or_create(&secrets_path)?;
+    let ctl = Arc::new(
+        Controller::new(cfg, db, nodes)
+            .with_token_key(key)
+            .with_secrets_key(secrets),
+    );
     ctl.load_nodes().await.context("loading nodes")?;
     ctl.nodes.poll_once().await;
     tokio::spawn(ctl.nodes.clone().run_poller(poll));

@@ -321,6 +321,68 @@ impl Master for MasterService {
             expires_at_ms,
         }))
     }
+    async fn create_secret(
+        &self,
+        req: Request<pb::CreateSecretRequest>,
+    ) -> Result<Response<pb::SecretInfo>, Status> {
+        let r = req.into_inner();
+        let metadata = r.metadata.into_iter().collect();
+        let s = self
+            .ctl
+            .secrets()
+            .create(&r.team_id, &r.name, &r.value, &metadata)
+            .await?;
+        Ok(Response::new(s.info()))
+    }
+    async fn list_secrets(
+        &self,
+        req: Request<pb::ListSecretsRequest>,
+    ) -> Result<Response<pb::ListSecretsResponse>, Status> {
+        let r = req.into_inner();
+        let (rows, next_token) = self
+            .ctl
+            .secrets()
+            .list(&r.team_id, r.limit, &r.next_token)
+            .await?;
+        Ok(Response::new(pb::ListSecretsResponse {
+            secrets: rows.iter().map(|s| s.info()).collect(),
+            next_token,
+        }))
+    }
+    async fn get_secret(
+        &self,
+        req: Request<pb::SecretRef>,
+    ) -> Result<Response<pb::SecretInfo>, Status> {
+        let r = req.into_inner();
+        let s = self.ctl.secrets().get(&r.team_id, &r.secret).await?;
+        Ok(Response::new(s.info()))
+    }
+    async fn update_secret(
+        &self,
+        req: Request<pb::UpdateSecretRequest>,
+    ) -> Result<Response<pb::SecretInfo>, Status> {
+        let r = req.into_inner();
+        let metadata: std::collections::BTreeMap<String, String> = r.metadata.into_iter().collect();
+        let s = self
+            .ctl
+            .secrets()
+            .update(
+                &r.team_id,
+                &r.secret,
+                &r.value,
+                r.set_metadata.then_some(&metadata),
+            )
+            .await?;
+        Ok(Response::new(s.info()))
+    }
+    async fn delete_secret(
+        &self,
+        req: Request<pb::SecretRef>,
+    ) -> Result<Response<pb::DeleteSecretResponse>, Status> {
+        let r = req.into_inner();
+        self.ctl.secrets().delete(&r.team_id, &r.secret).await?;
+        Ok(Response::new(pb::DeleteSecretResponse {}))
+    }
     async fn snapshot_sandbox(
         &self,
         req: Request<pb::SnapshotSandboxRequest>,

@@ -109,6 +109,8 @@ pub struct Controller {
     pub metrics: Arc<crate::metrics::Metrics>,
     /// Derives envd access tokens (the database keeps only their hashes).
     pub tokens: crate::token::TokenKey,
+    /// Seals secret values (the database keeps only sealed ones).
+    pub secrets: crate::secrets::SecretsKey,
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
@@ -146,6 +148,7 @@ impl Controller {
             nodes,
             metrics: Arc::new(crate::metrics::Metrics::new()),
             tokens: crate::token::TokenKey::random(),
+            secrets: crate::secrets::SecretsKey::random(),
             locks: Mutex::new(HashMap::new()),
         }
     }
@@ -154,6 +157,20 @@ impl Controller {
     pub fn with_token_key(mut self, k: crate::token::TokenKey) -> Controller {
         self.tokens = k;
         self
+    }
+
+    /// The secrets key shared by the fleet's masters (the default is one for this process).
+    pub fn with_secrets_key(mut self, k: crate::secrets::SecretsKey) -> Controller {
+        self.secrets = k;
+        self
+    }
+
+    /// The secrets store.
+    pub fn secrets(&self) -> crate::secrets::Secrets<'_> {
+        crate::secrets::Secrets {
+            db: &self.db,
+            key: &self.secrets,
+        }
     }
 
     /// A row's envd access token, as the SDK and the node see it.
