@@ -7,6 +7,7 @@ pub mod error;
 pub mod master;
 pub mod metrics;
 pub mod openapi;
+mod paging;
 pub mod ratelimit;
 pub mod rest;
 pub mod sandbox_cache;

@@ -790,13 +790,7 @@ async fn list(
             metadata.insert(k.into_owned(), v.into_owned());
         }
     }
-    let limit = match q.get("limit") {
-        None => 0,
-        Some(l) => match l.parse::<u32>() {
-            Ok(n) if (1..=100).contains(&n) => n,
-            _ => return Err(ApiError::bad_request("limit must be between 1 and 100")),
-        },
-    };
+    let limit = crate::paging::limit(&q)?;
     let ascending = match q.get("order").map(String::as_str) {
         None | Some("desc") => false,
         Some("asc") => true,
@@ -809,7 +803,7 @@ async fn list(
             states: states.into_iter().map(String::from).collect(),
             metadata: metadata.into_iter().collect(),
             limit,
-            next_token: q.get("nextToken").cloned().unwrap_or_default(),
+            next_token: crate::paging::next_token(&q),
             ascending,
             template: q.get("template").cloned().unwrap_or_default(),
             started_after_ms,
@@ -817,12 +811,7 @@ async fn list(
         .await?
         .into_inner();
     let items: Vec<Value> = r.sandboxes.iter().map(listed_json).collect();
-    let mut headers = HeaderMap::new();
-    if !r.next_token.is_empty() {
-        if let Ok(v) = HeaderValue::from_str(&r.next_token) {
-            headers.insert("x-next-token", v);
-        }
-    }
+    let headers = crate::paging::next_page_headers(&r.next_token);
     Ok((StatusCode::OK, headers, Json(Value::Array(items))).into_response())
 }
 

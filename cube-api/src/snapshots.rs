@@ -6,7 +6,7 @@ use crate::error::ApiError;
 use crate::rest::{check_id, sandbox_json, AppState, Team};
 use axum::body::Bytes;
 use axum::extract::{Path, Query, State};
-use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use cube_proto::master::v1 as pb;
@@ -52,13 +52,7 @@ pub async fn list(
     Extension(team): Extension<Team>,
     Query(q): Query<HashMap<String, String>>,
 ) -> Result<Response, ApiError> {
-    let limit = match q.get("limit") {
-        None => 0,
-        Some(l) => match l.parse::<u32>() {
-            Ok(n) if (1..=100).contains(&n) => n,
-            _ => return Err(ApiError::bad_request("limit must be between 1 and 100")),
-        },
-    };
+    let limit = crate::paging::limit(&q)?;
     let mut m = st.master.clone();
     let r = m
         .list_snapshots(pb::ListSnapshotsRequest {
@@ -66,16 +60,11 @@ pub async fn list(
             sandbox_id: q.get("sandboxID").cloned().unwrap_or_default(),
             name: q.get("name").cloned().unwrap_or_default(),
             limit,
-            next_token: q.get("nextToken").cloned().unwrap_or_default(),
+            next_token: crate::paging::next_token(&q),
         })
         .await?
         .into_inner();
-    let mut headers = HeaderMap::new();
-    if !r.next_token.is_empty() {
-        if let Ok(v) = HeaderValue::from_str(&r.next_token) {
-            headers.insert("x-next-token", v);
-        }
-    }
+    let headers = crate::paging::next_page_headers(&r.next_token);
     let items: Vec<Value> = r.snapshots.iter().map(snapshot_json).collect();
     Ok((StatusCode::OK, headers, Json(Value::Array(items))).into_response())
 }
