@@ -9,6 +9,7 @@ pub mod config;
 pub mod db;
 pub mod egress;
 pub mod error;
+pub mod ids;
 pub mod lifecycle;
 pub mod metrics;
 pub mod node_store;

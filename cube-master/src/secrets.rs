@@ -243,13 +243,7 @@ pub fn check_metadata(m: &BTreeMap<String, String>) -> Result<(), MasterError> {
 
 /// `sec_` and 20 lowercase alphanumerics.
 pub fn new_secret_id() -> String {
-    use rand::Rng;
-    const A: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
-    let mut r = rand::thread_rng();
-    let tail: String = (0..20)
-        .map(|_| A[r.gen_range(0..A.len())] as char)
-        .collect();
-    format!("{ID_PREFIX}{tail}")
+    crate::ids::random_id(ID_PREFIX, 20)
 }
 
 impl SecretRow {

@@ -9,7 +9,6 @@ use crate::nodes::{Node, Nodes};
 use crate::scheduler::NoFit;
 use crate::state::SandboxState;
 use cube_proto::nodev1 as node;
-use rand::Rng;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -115,12 +114,7 @@ pub struct Controller {
 }
 
 fn random_id() -> String {
-    const A: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
-    let mut r = rand::thread_rng();
-    let tail: String = (0..20)
-        .map(|_| A[r.gen_range(0..A.len())] as char)
-        .collect();
-    format!("i{tail}")
+    crate::ids::random_id("i", 20)
 }
 
 /// Template names as cubelet accepts them.

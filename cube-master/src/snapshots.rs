@@ -11,7 +11,6 @@ use crate::service::{Controller, CreateParams};
 use crate::state::SandboxState;
 use cube_proto::master::v1 as pb;
 use cube_proto::nodev1 as node;
-use rand::Rng;
 use sqlx::FromRow;
 use std::time::Duration;
 
@@ -59,12 +58,7 @@ impl SnapshotRow {
 /// Snapshot ids look like E2B template ids (20 lowercase alphanumerics); the leading `s`
 /// keeps them apart from sandbox ids (`i…`) and makes them valid node template names.
 pub fn new_snapshot_id() -> String {
-    const A: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
-    let mut r = rand::thread_rng();
-    let tail: String = (0..19)
-        .map(|_| A[r.gen_range(0..A.len())] as char)
-        .collect();
-    format!("s{tail}")
+    crate::ids::random_id("s", 19)
 }
 
 /// User-given snapshot names: what a template name may be, so the name can be used wherever

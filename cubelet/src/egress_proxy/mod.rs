@@ -18,7 +18,7 @@ mod names;
 mod resolve;
 mod sniff;
 
-pub use names::{normalize, NameSet};
+pub use names::NameSet;
 
 use std::collections::HashMap;
 use std::net::{Ipv4Addr, SocketAddrV4};

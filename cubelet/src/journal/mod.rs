@@ -333,7 +333,7 @@ impl Journal {
         if token.is_some() {
             b.token = token;
         }
-        if self.dir.is_some() {
+        if self.persist() {
             let meta = b.meta();
             b.pending.push(meta);
         }
@@ -424,7 +424,7 @@ impl Journal {
         {
             b.ended_ms = Some(now_ms);
             b.token = None;
-            if self.dir.is_some() {
+            if self.persist() {
                 let meta = b.meta();
                 b.pending.push(meta);
             }
