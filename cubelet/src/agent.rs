@@ -210,10 +210,16 @@ impl AgentClient {
 
     /// `POST /init`.
     pub async fn init(&self, req: &InitRequest) -> Result<(), AgentError> {
+        self.init_as(req, None).await
+    }
+
+    /// `/init` of an agent that may already hold the token `prior` (one restored from a
+    /// checkpoint holds its parent's; only its holder may re-initialise it).
+    pub async fn init_as(&self, req: &InitRequest, prior: Option<&str>) -> Result<(), AgentError> {
         let body = serde_json::to_vec(req).map_err(|e| AgentError::Http(e.to_string()))?;
         let mut h = vec![("content-type", "application/json")];
-        if let Some(t) = &req.access_token {
-            h.push(("x-access-token", t.as_str()));
+        if let Some(t) = prior.or(req.access_token.as_deref()) {
+            h.push(("x-access-token", t));
         }
         let (st, b) = self
             .request("POST", "/init", &h, body, Duration::from_secs(5))

@@ -44,14 +44,40 @@ def test_gvisor_sandbox_lifecycle_through_the_sdk(cube_gvisor):
         a2 = Sandbox.connect(a.sandbox_id)
         assert "sleep" in a2.commands.run(PROCESS_NAMES).stdout.split()
         assert a2.files.read("/home/user/note.txt") == "kept"
-        # A snapshot keeps the filesystem (what gVisor had cached is written out first).
+        # A snapshot keeps memory: gVisor's checkpoint with the disk cloned at the same
+        # instant. What only memory holds (gVisor's /tmp is its own tmpfs; a process and its
+        # listening socket in the Sentry's network stack) continues in the copy; the file
+        # written just before it is on the copy's disk (gVisor's page cache flushed first).
         a2.files.write("/home/user/late.txt", "written just before the snapshot")
+        a2.commands.run("echo only-in-memory > /tmp/mem.txt")
+        # A server whose answer is only in its shell's memory, listening in gVisor's stack.
+        a2.commands.run("v=$(cat /tmp/mem.txt); rm /tmp/mem.txt; echo kept > /tmp/mem.txt; "
+                        "while true; do echo \"$v\" | nc -l -N 127.0.0.1 8765; done",
+                        background=True, timeout=0)
+        fetch = ("for i in $(seq 100); do o=$(nc -N 127.0.0.1 8765 </dev/null 2>/dev/null); "
+                 "[ -n \"$o\" ] && { echo \"$o\"; break; }; sleep 0.1; done")
+        assert a2.commands.run(fetch).stdout == "only-in-memory\n"
         snap = a2.create_snapshot()
         try:
-            f = Sandbox.create(snap.snapshot_id, timeout=300)
+            # The sandbox snapshotted goes on with its processes.
+            names = a2.commands.run(PROCESS_NAMES).stdout.split()
+            assert "sleep" in names and "nc" in names, names
+            a2.files.write("/home/user/after.txt", "after the snapshot")
+            f = Sandbox.create(snap.snapshot_id, envs={"CUBE_WHO": "copy"}, timeout=300)
             try:
-                assert f.files.read("/home/user/late.txt") == "written just before the snapshot"
                 assert detail(cube_gvisor, f.sandbox_id)["runtime"] == "gvisor"
+                assert f.files.read("/home/user/late.txt") == "written just before the snapshot"
+                assert not f.files.exists("/home/user/after.txt")
+                assert f.commands.run("cat /tmp/mem.txt").stdout == "kept\n"
+                names = f.commands.run(PROCESS_NAMES).stdout.split()
+                assert "sleep" in names and "nc" in names, names
+                # The server restored with its socket and its memory answers in the copy.
+                assert f.commands.run(fetch).stdout == "only-in-memory\n"
+                # The copy has its own init: its env var and its own token (the SDK's).
+                assert f.commands.run("echo $CUBE_WHO").stdout == "copy\n"
+                # The copy was re-initialised with a token of its own.
+                if a2._envd_access_token and f._envd_access_token:
+                    assert a2._envd_access_token != f._envd_access_token
             finally:
                 f.kill()
         finally:

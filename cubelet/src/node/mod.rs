@@ -552,7 +552,10 @@ impl Node {
                 st.phase
             )));
         }
-        self.runtime.snapshot(&st, template).await
+        // A copy restored with memory still holds this sandbox's agent token; its own /init
+        // must show it (the agent lets only the token's holder re-initialise it).
+        let token = self.journal.token(id);
+        self.runtime.snapshot(&st, template, token.as_deref()).await
     }
 
     /// What this node's snapshots keep.

@@ -85,11 +85,13 @@ pub trait Runtime: Send + Sync {
     /// Lets a paused sandbox run again.
     async fn resume(&self, st: &mut SandboxState) -> Result<(), NodeError>;
 
-    /// Makes a running or paused sandbox a build of `template`.
+    /// Makes a running or paused sandbox a build of `template`. `agent_token` is the token
+    /// its agent holds, if any (a copy restored with memory holds it too).
     async fn snapshot(
         &self,
         st: &SandboxState,
         template: &str,
+        agent_token: Option<&str>,
     ) -> Result<(crate::template::Manifest, bool), NodeError>;
 
     /// Kills the sandbox's processes and releases what the runtime holds for it. Returns

@@ -3,7 +3,8 @@
 //! namespaces and seccomp (`namespace`) or a `runsc` sandbox (`gvisor`). Everything else is
 //! the same for both and lives here: cold starts with the disk, endpoint and cgroup built at
 //! once, the pre-started pool (`started.rs`), claiming a pooled sandbox, pause by freezing the
-//! cgroup, filesystem snapshots, release and refill.
+//! cgroup, snapshots (the filesystem, or with a launcher that can checkpoint, memory too:
+//! creating from such a snapshot restores its processes), release and refill.
 
 mod started;
 
@@ -56,7 +57,60 @@ pub trait Launcher: Send + Sync + 'static {
 
     /// At restart: removes launcher leftovers no live sandbox refers to.
     fn reap_leftovers(&self, _live: &[SandboxState]) {}
+
+    /// Whether PID 1 may start only once the sandbox's veth is wired (a user-space network
+    /// stack takes the namespace's interface, addresses and routes when it starts).
+    fn needs_wired_network(&self) -> bool {
+        false
+    }
+
+    /// Whether a dead sandbox's network endpoint may serve another sandbox as it is.
+    fn endpoint_reusable(&self) -> bool {
+        true
+    }
+
+    /// What a snapshot keeps: with `Full`, [`Launcher::checkpoint`] and
+    /// [`Launcher::restore`] work.
+    fn snapshot_kind(&self) -> SnapshotKind {
+        SnapshotKind::Filesystem
+    }
+
+    /// Saves the running sandbox's processes and memory into the directory `image`: stops
+    /// them, saves, runs `stopped` (the disk is cloned there, so disk and memory are of one
+    /// instant), and lets them run again. Blocking.
+    fn checkpoint(
+        &self,
+        _st: &SandboxState,
+        _image: &Path,
+        _stopped: &mut dyn FnMut() -> Result<(), String>,
+    ) -> Result<(), String> {
+        Err(format!(
+            "{} snapshots keep the filesystem only",
+            self.name()
+        ))
+    }
+
+    /// Like [`Launcher::launch`], but PID 1 and everything it ran continue from the
+    /// checkpoint `image`. Blocking.
+    fn restore(
+        &self,
+        _cg: &Cgroups,
+        _key: &str,
+        _paths: &SandboxPaths,
+        _netns: &Path,
+        _image: &Path,
+    ) -> Result<(i32, u64), String> {
+        Err(format!("{} cannot restore a checkpoint", self.name()))
+    }
 }
+
+/// Where a template build made from a memory snapshot keeps its checkpoint: beside its rootfs.
+pub fn checkpoint_dir(build_dir: &Path) -> std::path::PathBuf {
+    build_dir.join("checkpoint")
+}
+
+/// The token the checkpointed agent holds (absent: none), in [`checkpoint_dir`].
+const CHECKPOINT_TOKEN: &str = "agent-token";
 
 /// Where the node's agent appears in every container sandbox: bind-mounted read-only on its
 /// own `/run` (one host page cache for all sandboxes; no symlink in an image can redirect it).
@@ -96,12 +150,14 @@ impl<L: Launcher> Container<L> {
         }
     }
 
-    /// Starts PID 1 of a sandbox whose disk, cgroup and namespace exist.
+    /// Starts PID 1 of a sandbox whose disk, cgroup and namespace exist: afresh, or restored
+    /// from the checkpoint `restore`.
     async fn launch(
         &self,
         st: &SandboxState,
         dirname: &str,
         netns: std::path::PathBuf,
+        restore: Option<std::path::PathBuf>,
     ) -> (Result<(i32, u64), NodeError>, Duration) {
         let (launcher, cg, key, paths) = (
             self.launcher.clone(),
@@ -110,16 +166,25 @@ impl<L: Launcher> Container<L> {
             self.host.paths_for(dirname),
         );
         let t = Instant::now();
-        let r = tokio::task::spawn_blocking(move || launcher.launch(&cg, &key, &paths, &netns))
-            .await
-            .map_err(task)
-            .and_then(|r| r.map_err(|e| NodeError::Internal(format!("starting sandbox: {e}"))));
+        let r = tokio::task::spawn_blocking(move || match restore {
+            Some(image) => launcher.restore(&cg, &key, &paths, &netns, &image),
+            None => launcher.launch(&cg, &key, &paths, &netns),
+        })
+        .await
+        .map_err(task)
+        .and_then(|r| r.map_err(|e| NodeError::Internal(format!("starting sandbox: {e}"))));
         (r, t.elapsed())
     }
 
-    /// Builds a sandbox from scratch: disk, namespace, cgroup, then PID 1 while the veth and
-    /// the switch binding are wired.
-    async fn cold_start(&self, spec: &CreateSpec, st: &mut SandboxState) -> Result<(), NodeError> {
+    /// Builds a sandbox from scratch: disk, namespace, cgroup, then PID 1 (afresh or from the
+    /// checkpoint `restore`) while the veth and the switch binding are wired, or after them
+    /// when the launcher needs them.
+    async fn cold_start(
+        &self,
+        spec: &CreateSpec,
+        st: &mut SandboxState,
+        restore: Option<std::path::PathBuf>,
+    ) -> Result<(), NodeError> {
         let h = &self.host;
         let id = st.id.clone();
         let paths = h.paths_for(&id);
@@ -180,7 +245,7 @@ impl<L: Launcher> Container<L> {
         disk_r?;
         cg_r?;
         h.save(&id, st)?;
-        let launch = self.launch(st, &id, ep.netns_path.clone());
+        let launch = self.launch(st, &id, ep.netns_path.clone(), restore);
         // The veth and the switch binding need only the namespace: build them while the
         // launcher runs (the agent listens on 0.0.0.0 and is reached only after this).
         let wire = async {
@@ -208,7 +273,16 @@ impl<L: Launcher> Container<L> {
             h.phase("policy", tpol.elapsed());
             r
         };
-        let ((launched, launch_t), wired) = tokio::join!(launch, wire);
+        let ((launched, launch_t), wired) = if self.launcher.needs_wired_network() {
+            let wired = wire.await;
+            if wired.is_err() {
+                let _ = h.save(&id, st);
+                return wired.map(|_| ());
+            }
+            (launch.await, wired)
+        } else {
+            tokio::join!(launch, wire)
+        };
         h.phase("launch", launch_t);
         // Record the pid first: a network error must still kill the started sandbox.
         let (pid, start) = launched?;
@@ -280,7 +354,7 @@ impl<L: Launcher> Container<L> {
 
     /// Releases a sandbox that never became the node's (a pool entry).
     async fn discard(&self, st: &SandboxState) {
-        let reusable = self.release(st).await;
+        let reusable = Runtime::release(self, st).await;
         self.host
             .release_rest(&started::dirname(&st.key), st, reusable)
             .await;
@@ -303,7 +377,7 @@ impl<L: Launcher> Runtime for Container<L> {
     }
 
     fn snapshot_kind(&self) -> SnapshotKind {
-        SnapshotKind::Filesystem
+        self.launcher.snapshot_kind()
     }
 
     fn new_state(&self) -> RuntimeState {
@@ -313,8 +387,15 @@ impl<L: Launcher> Runtime for Container<L> {
     async fn create(&self, spec: &CreateSpec, st: &mut SandboxState) -> Result<Created, NodeError> {
         let h = &self.host;
         let t0 = Instant::now();
+        // A build made from a memory snapshot is restored, never taken from the pool.
+        let restore = self.checkpoint_of(&spec.rootfs);
+        let prior_token = restore.as_ref().and_then(|d| {
+            std::fs::read_to_string(d.join(CHECKPOINT_TOKEN))
+                .ok()
+                .filter(|t| !t.is_empty())
+        });
         // Pool entries have the template image's disk size: a larger disk starts cold.
-        let pooled = if st.shape.disk_mib == spec.image_mib {
+        let pooled = if restore.is_none() && st.shape.disk_mib == spec.image_mib {
             self.started.claim(h, &st.template, &st.build).await
         } else {
             None
@@ -322,7 +403,7 @@ impl<L: Launcher> Runtime for Container<L> {
         let from_pool = pooled.is_some();
         match pooled {
             Some(p) => self.adopt_pooled(p, st)?,
-            None => self.cold_start(spec, st).await?,
+            None => self.cold_start(spec, st, restore).await?,
         }
         let ep = st
             .endpoint
@@ -330,7 +411,12 @@ impl<L: Launcher> Runtime for Container<L> {
             .ok_or_else(|| NodeError::Internal("sandbox has no network endpoint".into()))?;
         let init = crate::agent::InitRequest {
             env_vars: spec.init.env_vars.clone(),
-            access_token: spec.init.access_token.clone(),
+            // A restored agent without a token of its own must drop its parent's ("" clears).
+            access_token: spec
+                .init
+                .access_token
+                .clone()
+                .or_else(|| prior_token.as_ref().map(|_| String::new())),
             timestamp: crate::agent::rfc3339_now(),
             default_user: spec.init.default_user.clone(),
             default_workdir: spec.init.default_workdir.clone(),
@@ -338,7 +424,7 @@ impl<L: Launcher> Runtime for Container<L> {
         };
         let ti = Instant::now();
         h.agent(&ep, st.host_addr)
-            .init(&init)
+            .init_as(&init, prior_token.as_deref())
             .await
             .map_err(|e| NodeError::Internal(format!("sandbox {}: /init: {e}", st.id)))?;
         if !from_pool {
@@ -356,21 +442,23 @@ impl<L: Launcher> Runtime for Container<L> {
         self.freeze(st, false).await
     }
 
-    /// The sandbox is frozen while its filesystem is flushed and its disk cloned, then put
-    /// back as it was.
+    /// The filesystem is flushed and the disk cloned while the sandbox is stopped (frozen, or
+    /// for a memory snapshot stopped and checkpointed by the launcher), then put back as it
+    /// was. A memory snapshot's checkpoint goes beside the new build's rootfs.
     async fn snapshot(
         &self,
         st: &SandboxState,
         template: &str,
+        agent_token: Option<&str>,
     ) -> Result<(crate::template::Manifest, bool), NodeError> {
         let h = &self.host;
         let was_running = st.phase == Phase::Running;
-        let tmp =
-            h.templates
-                .dir()
-                .join(".staging")
-                .join(format!("snap-{}-{}.ext4", st.id, new_key()));
-        let (cg, key, disk, tmp2, launcher, paths, st2) = (
+        let full = self.launcher.snapshot_kind() == SnapshotKind::Full;
+        let staging = h.templates.dir().join(".staging");
+        let tag = new_key();
+        let tmp = staging.join(format!("snap-{}-{tag}.ext4", st.id));
+        let image = full.then(|| staging.join(format!("ckpt-{}-{tag}", st.id)));
+        let (cg, key, disk, tmp2, launcher, paths, st2, image2) = (
             h.cg.clone(),
             st.key.clone(),
             h.paths_for(&st.id).disk(),
@@ -378,34 +466,61 @@ impl<L: Launcher> Runtime for Container<L> {
             self.launcher.clone(),
             h.paths_for(&st.id),
             st.clone(),
+            image.clone(),
         );
-        tokio::task::spawn_blocking(move || -> Result<(), String> {
+        let token = agent_token.map(str::to_string);
+        let r = tokio::task::spawn_blocking(move || -> Result<(), String> {
             // What the runtime caches is written out while the sandbox runs (a paused one is
-            // thawed for it), then the sandbox is frozen while its disk is synced and cloned.
+            // thawed for it), then the sandbox is stopped while its disk is synced and cloned.
             if !was_running {
                 cg.set_frozen(&key, false).map_err(|e| e.to_string())?;
             }
-            let r = launcher.flush(&st2).and_then(|_| {
-                cg.set_frozen(&key, true).map_err(|e| e.to_string())?;
+            let mut clone = || {
                 launcher.sync_fs(&st2, &paths).and_then(|_| {
                     crate::storage::clone_file(&disk, &tmp2)
                         .map(|_| ())
                         .map_err(|e| e.to_string())
                 })
+            };
+            let r = launcher.flush(&st2).and_then(|_| match &image2 {
+                Some(image) => {
+                    use std::os::unix::fs::DirBuilderExt;
+                    // The sandbox's memory: root's alone.
+                    std::fs::DirBuilder::new()
+                        .mode(0o700)
+                        .create(image)
+                        .map_err(|e| format!("{}: {e}", image.display()))?;
+                    launcher.checkpoint(&st2, image, &mut clone)?;
+                    write_private(
+                        &image.join(CHECKPOINT_TOKEN),
+                        token.as_deref().unwrap_or(""),
+                    )
+                }
+                None => {
+                    cg.set_frozen(&key, true).map_err(|e| e.to_string())?;
+                    clone()
+                }
             });
-            if was_running {
-                cg.set_frozen(&key, false).map_err(|e| e.to_string())?;
-            } else {
-                cg.set_frozen(&key, true).map_err(|e| e.to_string())?;
-            }
+            cg.set_frozen(&key, !was_running)
+                .map_err(|e| e.to_string())?;
             r
         })
         .await
-        .map_err(task)?
-        .map_err(internal("snapshot"))?;
+        .map_err(task)
+        .and_then(|r| r.map_err(internal("snapshot")));
+        let cleanup = |image: &Option<std::path::PathBuf>| {
+            let _ = std::fs::remove_file(&tmp);
+            if let Some(i) = image {
+                let _ = std::fs::remove_dir_all(i);
+            }
+        };
+        if let Err(e) = r {
+            cleanup(&image);
+            return Err(e);
+        }
         let store = h.templates.clone();
         let (t, sid, tmp3) = (template.to_string(), st.id.clone(), tmp.clone());
-        let r = tokio::task::spawn_blocking(move || {
+        let built = tokio::task::spawn_blocking(move || {
             store.build(
                 &t,
                 &Source::Snapshot {
@@ -417,9 +532,23 @@ impl<L: Launcher> Runtime for Container<L> {
             )
         })
         .await
-        .map_err(task)?;
+        .map_err(task)
+        .and_then(|r| r.map_err(NodeError::from));
+        let (m, reused) = match built {
+            Ok(x) => x,
+            Err(e) => {
+                cleanup(&image);
+                return Err(e);
+            }
+        };
         let _ = std::fs::remove_file(&tmp);
-        Ok(r?)
+        if let Some(image) = image {
+            if let Err(e) = self.install_checkpoint(&m, &image, &tag) {
+                let _ = std::fs::remove_dir_all(&image);
+                return Err(e);
+            }
+        }
+        Ok((m, reused))
     }
 
     async fn release(&self, st: &SandboxState) -> bool {
@@ -432,7 +561,7 @@ impl<L: Launcher> Runtime for Container<L> {
         if let Err(e) = tokio::task::spawn_blocking(move || launcher.cleanup(&st2, &paths)).await {
             tracing::error!(id = %st.id, error = %e, "launcher cleanup task");
         }
-        killed
+        killed && self.launcher.endpoint_reusable()
     }
 
     fn readopt(&self, st: &SandboxState) -> bool {
@@ -494,6 +623,42 @@ impl<L: Launcher> Runtime for Container<L> {
 }
 
 impl<L: Launcher> Container<L> {
+    /// The checkpoint of the template build whose rootfs is `rootfs`, when it has one and this
+    /// launcher can restore it.
+    fn checkpoint_of(&self, rootfs: &Path) -> Option<std::path::PathBuf> {
+        if self.launcher.snapshot_kind() != SnapshotKind::Full {
+            return None;
+        }
+        let dir = checkpoint_dir(rootfs.parent()?);
+        dir.is_dir().then_some(dir)
+    }
+
+    /// Puts a snapshot's checkpoint beside its build's rootfs, replacing an older one (a
+    /// reused build has the same disk but other memory; restores already running keep the
+    /// files they opened).
+    fn install_checkpoint(
+        &self,
+        m: &crate::template::Manifest,
+        image: &Path,
+        tag: &str,
+    ) -> Result<(), NodeError> {
+        let (_, rootfs) = self.host.templates.get(&m.name, Some(&m.build))?;
+        let build_dir = rootfs
+            .parent()
+            .ok_or_else(|| NodeError::Internal("template rootfs has no directory".into()))?;
+        let out = checkpoint_dir(build_dir);
+        if out.exists() {
+            let old = build_dir.join(format!("checkpoint.old-{tag}"));
+            std::fs::rename(&out, &old)
+                .map_err(|e| NodeError::Internal(format!("replace checkpoint: {e}")))?;
+            let _ = std::fs::remove_dir_all(&old);
+        }
+        std::fs::rename(image, &out)
+            .map_err(|e| NodeError::Internal(format!("install checkpoint: {e}")))?;
+        tracing::info!(template = %m.name, build = %m.build, "memory snapshot installed");
+        Ok(())
+    }
+
     /// Starts a sandbox that waits in the pool, warm, for its /init.
     async fn prestart(
         &self,
@@ -545,7 +710,10 @@ impl<L: Launcher> Container<L> {
             .await
             .map_err(task)?
             .map_err(|e| NodeError::Internal(format!("cgroup: {e}")))?;
-            let (pid, start) = self.launch(&st, &dirname, ep.netns_path.clone()).await.0?;
+            let (pid, start) = self
+                .launch(&st, &dirname, ep.netns_path.clone(), None)
+                .await
+                .0?;
             st.pid = pid;
             st.pid_start = start;
             st.phase = Phase::Pooled;
@@ -576,4 +744,18 @@ impl<L: Launcher> Container<L> {
             }
         }
     }
+}
+
+/// Writes `text` to a new file only root can read (the checkpoint's memory holds the token
+/// anyway, and it is as closed).
+fn write_private(path: &Path, text: &str) -> Result<(), String> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .and_then(|mut f| f.write_all(text.as_bytes()))
+        .map_err(|e| format!("{}: {e}", path.display()))
 }

@@ -1,7 +1,8 @@
 //! The OCI bundle of a gVisor sandbox: its disk mounted on the host as the root, cube-agent
 //! (the node's binary, bind-mounted read-only) as PID 1 with the namespace runtime's
 //! capabilities and `no_new_privs`, in its own PID, IPC, UTS and mount namespaces. The
-//! network is the sandbox's own namespace, which runsc runs in (`--network=host` there).
+//! network is the sandbox's own namespace, named by path: runsc's sandbox process joins it and
+//! gVisor's netstack takes its interface (with no path runsc would make a new, empty one).
 
 use serde_json::{json, Value};
 use std::path::Path;
@@ -29,6 +30,8 @@ fn cap_name(n: u32) -> Option<&'static str> {
 /// What the bundle is made of.
 pub struct Bundle<'a> {
     pub root: &'a Path,
+    /// The sandbox's network namespace (`/run/.../netns/<key>`).
+    pub netns: &'a Path,
     pub hostname: &'a str,
     pub agent_host: &'a Path,
     pub agent_path: &'a str,
@@ -75,7 +78,8 @@ impl Bundle<'_> {
                 tmpfs("/run", self.run_size_mib, "755"),
                 {"destination": self.agent_path, "type": "bind", "source": self.agent_host, "options": ["bind", "ro"]}
             ],
-            "linux": {"namespaces": [{"type": "pid"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"}]}
+            "linux": {"namespaces": [{"type": "pid"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"},
+                                     {"type": "network", "path": self.netns}]}
         }))
     }
 }
@@ -89,6 +93,7 @@ mod tests {
         let args = vec!["--addr".to_string(), "0.0.0.0:49983".into()];
         let b = Bundle {
             root: Path::new("/r"),
+            netns: Path::new("/run/cube/netns/k"),
             hostname: "sbx",
             agent_host: Path::new("/usr/lib/cube/cube-agent"),
             agent_path: "/run/cube-agent",
@@ -108,10 +113,11 @@ mod tests {
         assert!(!caps
             .iter()
             .any(|c| c == "CAP_SYS_ADMIN" || c == "CAP_MKNOD"));
-        assert!(c["linux"]["namespaces"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .all(|n| n["type"] != "network" && n["type"] != "user"));
+        let ns = c["linux"]["namespaces"].as_array().unwrap();
+        assert!(ns.iter().all(|n| n["type"] != "user"));
+        // The sandbox's own namespace, never a new empty one (no path) or the host's.
+        let net: Vec<_> = ns.iter().filter(|n| n["type"] == "network").collect();
+        assert_eq!(net.len(), 1);
+        assert_eq!(net[0]["path"], "/run/cube/netns/k");
     }
 }

@@ -3,16 +3,22 @@
 //! runtime's (`super::container`): the reflinked disk (mounted on the host here, read-write,
 //! `nosuid,nodev`, and given to runsc as the root), the cgroup with the shape's limits (runsc
 //! and its processes run in it; `--ignore-cgroups`), the sandbox's network namespace on cube-vs
-//! (runsc runs inside it with `--network=host`: gVisor's own netstack refuses to start on this
-//! Debian build, gVisor issue #10704), the pre-started pool and freezing for pause.
+//! (gVisor's own network stack takes its interface: the sandbox's TCP/IP is the Sentry's too;
+//! `init.rs` says how it starts on Debian's runsc despite gVisor issue #10704), the
+//! pre-started pool and freezing for pause.
 //!
-//! Pause keeps memory in RAM (the cgroup is frozen); snapshots keep the filesystem only:
-//! `runsc checkpoint` cannot save host-network sockets, which every sandbox has (its agent).
+//! Pause keeps memory in RAM (the cgroup is frozen). Snapshots keep memory: `runsc
+//! checkpoint` of the stopped sandbox with its disk cloned at the same instant, and a sandbox
+//! created from one is `runsc restore`d over a clone of that disk in its own namespace (every
+//! sandbox has the same address inside, so the restored stack fits). gVisor cannot save
+//! connected TCP sockets: `--net-disconnect-ok` resets them at a checkpoint, in the sandbox that
+//! goes on as well as in the copy; processes and listening sockets continue.
 
 pub mod bundle;
 pub mod init;
 
 use super::container::{Launcher, AGENT_PATH};
+use super::SnapshotKind;
 use crate::cgroup::Cgroups;
 use crate::config::Config;
 use crate::sandbox::{RuntimeState, SandboxPaths, SandboxState, GVISOR};
@@ -61,7 +67,9 @@ impl Gvisor {
         let mut flags = vec![
             format!("--root={}", dir.join("state").display()),
             format!("--platform={}", cfg.gvisor.platform),
-            "--network=host".into(),
+            "--network=sandbox".into(),
+            // Open connections are reset at a checkpoint rather than failing it.
+            "--net-disconnect-ok".into(),
             "--ignore-cgroups".into(),
             // Writes go to the sandbox's disk, not to an overlay in memory or in the image.
             "--overlay2=none".into(),
@@ -179,58 +187,55 @@ impl Launcher for Gvisor {
         paths: &SandboxPaths,
         netns: &Path,
     ) -> Result<(i32, u64), String> {
-        let b = self.bundle_dir(key);
-        let root = b.join("root");
-        self.mount_root(&paths.disk(), &root)?;
-        let r = (|| {
-            let config = bundle::Bundle {
-                root: &root,
-                hostname: &self.hostname,
-                agent_host: &self.agent_host,
-                agent_path: AGENT_PATH,
-                agent_args: &self.agent_args,
-                tmp_size_mib: self.tmp_size_mib,
-                run_size_mib: self.run_size_mib,
-            }
-            .config()?;
-            std::fs::write(b.join("config.json"), config.to_string())
-                .map_err(|e| format!("writing the bundle: {e}"))?;
-            let spec = init::GvisorSpec {
-                runsc: self.runsc.clone(),
-                flags: self.flags.clone(),
-                id: key.to_string(),
-                bundle: b.clone(),
-                netns: netns.to_path_buf(),
-                cgroup_procs: cg.procs_files(key),
-                log: paths.log(),
-            };
-            let json = serde_json::to_string(&spec).map_err(|e| e.to_string())?;
-            let out = Command::new(&self.self_exe)
-                .arg("gvisor-init")
-                .env_clear()
-                .env(init::SPEC_ENV, json)
-                .stdin(Stdio::null())
-                .output()
-                .map_err(|e| format!("spawn {}: {e}", self.self_exe.display()))?;
-            if !out.status.success() {
-                return Err(String::from_utf8_lossy(&out.stderr)
-                    .trim()
-                    .trim_start_matches("gvisor-init: ")
-                    .to_string());
-            }
-            let v: serde_json::Value = serde_json::from_slice(&out.stdout)
-                .map_err(|e| format!("bad launcher output: {e}"))?;
-            let pid = v["pid"].as_i64().unwrap_or(0) as i32;
-            let start = crate::runtime::process::proc_start_time(pid)
-                .ok_or_else(|| format!("runsc sandbox {pid} vanished at start"))?;
-            Ok((pid, start))
-        })();
-        if r.is_err() {
-            self.remove(key);
-        }
-        r
+        self.start(cg, key, paths, netns, None)
     }
 
+    fn restore(
+        &self,
+        cg: &Cgroups,
+        key: &str,
+        paths: &SandboxPaths,
+        netns: &Path,
+        image: &Path,
+    ) -> Result<(i32, u64), String> {
+        self.start(cg, key, paths, netns, Some(image))
+    }
+
+    fn needs_wired_network(&self) -> bool {
+        true
+    }
+
+    /// runsc moved the namespace's addresses and routes into the Sentry: the interface is bare.
+    fn endpoint_reusable(&self) -> bool {
+        false
+    }
+
+    fn snapshot_kind(&self) -> SnapshotKind {
+        SnapshotKind::Full
+    }
+
+    /// `runsc pause` (the Sentry stops every task), `checkpoint --leave-running`, `stopped`,
+    /// `runsc resume`.
+    fn checkpoint(
+        &self,
+        st: &SandboxState,
+        image: &Path,
+        stopped: &mut dyn FnMut() -> Result<(), String>,
+    ) -> Result<(), String> {
+        self.runsc(&["pause", &st.key])?;
+        let path = image.to_string_lossy();
+        let r = self
+            .runsc(&[
+                "checkpoint",
+                "--leave-running",
+                "--image-path",
+                &path,
+                &st.key,
+            ])
+            .and_then(|_| stopped());
+        let resumed = self.runsc(&["resume", &st.key]);
+        r.and(resumed.map(|_| ()))
+    }
     /// gVisor keeps file data in its own page cache: `sync` inside writes it to the disk.
     fn flush(&self, st: &SandboxState) -> Result<(), String> {
         self.runsc(&["exec", &st.key, "sync"]).map(|_| ())
@@ -279,5 +284,70 @@ impl Launcher for Gvisor {
                 self.remove(&key);
             }
         }
+    }
+}
+
+impl Gvisor {
+    /// Mounts the disk as the bundle's root and starts the sandbox: afresh, or from `restore`.
+    fn start(
+        &self,
+        cg: &Cgroups,
+        key: &str,
+        paths: &SandboxPaths,
+        netns: &Path,
+        restore: Option<&Path>,
+    ) -> Result<(i32, u64), String> {
+        let b = self.bundle_dir(key);
+        let root = b.join("root");
+        self.mount_root(&paths.disk(), &root)?;
+        let r = (|| {
+            let config = bundle::Bundle {
+                root: &root,
+                netns,
+                hostname: &self.hostname,
+                agent_host: &self.agent_host,
+                agent_path: AGENT_PATH,
+                agent_args: &self.agent_args,
+                tmp_size_mib: self.tmp_size_mib,
+                run_size_mib: self.run_size_mib,
+            }
+            .config()?;
+            std::fs::write(b.join("config.json"), config.to_string())
+                .map_err(|e| format!("writing the bundle: {e}"))?;
+            let spec = init::GvisorSpec {
+                runsc: self.runsc.clone(),
+                flags: self.flags.clone(),
+                id: key.to_string(),
+                bundle: b.clone(),
+                netns: netns.to_path_buf(),
+                cgroup_procs: cg.procs_files(key),
+                log: paths.log(),
+                restore: restore.map(Path::to_path_buf),
+            };
+            let json = serde_json::to_string(&spec).map_err(|e| e.to_string())?;
+            let out = Command::new(&self.self_exe)
+                .arg("gvisor-init")
+                .env_clear()
+                .env(init::SPEC_ENV, json)
+                .stdin(Stdio::null())
+                .output()
+                .map_err(|e| format!("spawn {}: {e}", self.self_exe.display()))?;
+            if !out.status.success() {
+                return Err(String::from_utf8_lossy(&out.stderr)
+                    .trim()
+                    .trim_start_matches("gvisor-init: ")
+                    .to_string());
+            }
+            let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+                .map_err(|e| format!("bad launcher output: {e}"))?;
+            let pid = v["pid"].as_i64().unwrap_or(0) as i32;
+            let start = crate::runtime::process::proc_start_time(pid)
+                .ok_or_else(|| format!("runsc sandbox {pid} vanished at start"))?;
+            Ok((pid, start))
+        })();
+        if r.is_err() {
+            self.remove(key);
+        }
+        r
     }
 }

@@ -887,10 +887,12 @@ impl Runtime for Microvm {
         self.pause_resume_microvm(st, false).await
     }
 
+    /// Each copy is initialised over the vsock channel, which needs no agent token.
     async fn snapshot(
         &self,
         st: &SandboxState,
         template: &str,
+        _agent_token: Option<&str>,
     ) -> Result<(crate::template::Manifest, bool), NodeError> {
         self.snapshot_microvm(st, template).await
     }

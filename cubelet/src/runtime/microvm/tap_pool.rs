@@ -97,10 +97,21 @@ fn attach_and(
         .write(true)
         .open("/dev/net/tun")
         .map_err(io("open /dev/net/tun"))?;
-    let mut ifr = ifreq(name, libc::IFF_TAP | libc::IFF_NO_PI)?;
-    // SAFETY: TUNSETIFF on a tun fd we own, with a valid ifreq.
-    if unsafe { libc::ioctl(tun.as_raw_fd(), libc::TUNSETIFF as _, &mut ifr) } < 0 {
-        return Err(io("TUNSETIFF")(std::io::Error::last_os_error()));
+    // A single-queue tap takes one attachment at a time, and the kernel may still be tearing
+    // down the previous one (ours, closed just before) under load: EBUSY is retried briefly.
+    let mut tries = 0;
+    loop {
+        let mut ifr = ifreq(name, libc::IFF_TAP | libc::IFF_NO_PI)?;
+        // SAFETY: TUNSETIFF on a tun fd we own, with a valid ifreq.
+        if unsafe { libc::ioctl(tun.as_raw_fd(), libc::TUNSETIFF as _, &mut ifr) } >= 0 {
+            break;
+        }
+        let e = std::io::Error::last_os_error();
+        tries += 1;
+        if e.raw_os_error() != Some(libc::EBUSY) || tries >= 40 {
+            return Err(io("TUNSETIFF")(e));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(25));
     }
     f(tun.as_raw_fd()).map_err(|(what, e)| io(what)(e))
 }
