@@ -10,6 +10,10 @@ Measures (targets from issue 6, namespace runtime):
   egress            (issue 19) create p50 with a 20-entry denyOut within 1 ms of create without
                     one (interleaved, same run), and with 20 allowOut names (the node's egress
                     proxy gets them); update_network (PUT /sandboxes/{id}/network) <= 5 ms
+  snapshot          (issue 25) create_snapshot() of a sandbox with a background process and
+                    --snapshot-dirty-mib MiB written to /dev/shm (memory), and Sandbox.create() from each
+                    snapshot (on gvisor both keep memory: checkpoint and restore; on namespace
+                    the filesystem only); report
 
 Uses E2B_API_URL, E2B_SANDBOX_URL and E2B_API_KEY (as printed by deploy/dev-up.sh), or starts a
 private stack with --local-stack (the tests/e2e fixture: needs root and CARGO_TARGET_DIR with the
@@ -224,6 +228,37 @@ def bench_egress(Sandbox, template, n):
             "create_20_names": summary(named), "update_network": summary(up)}
 
 
+def bench_snapshot(Sandbox, template, n, dirty_mib):
+    """`n` snapshots of one sandbox (a background `sleep`, `dirty_mib` MiB in /dev/shm), then a
+    sandbox created from each; whether the copies kept the process is reported too."""
+    s = Sandbox.create(template, timeout=600)
+    snaps, take, made, kept, kills = [], [], [], 0, killer()
+    try:
+        s.commands.run("sleep 3600", background=True, timeout=0)
+        if dirty_mib:
+            s.commands.run(f"head -c {dirty_mib}M /dev/urandom > /dev/shm/dirty")
+        for _ in range(n):
+            t0 = time.perf_counter()
+            snaps.append(s.create_snapshot().snapshot_id)
+            take.append((time.perf_counter() - t0) * 1000)
+        for sid in snaps:
+            t0 = time.perf_counter()
+            c = Sandbox.create(sid, timeout=120)
+            made.append((time.perf_counter() - t0) * 1000)
+            kept += "sleep" in c.commands.run("cat /proc/[0-9]*/comm 2>/dev/null || true").stdout.split()
+            kills.submit(c.kill)
+        kills.shutdown(wait=True)
+    finally:
+        s.kill()
+        for sid in snaps:
+            try:
+                Sandbox.delete_snapshot(sid)
+            except Exception:
+                pass
+    return {"dirty_mib": dirty_mib, "snapshot": summary(take), "create_from_snapshot": summary(made),
+            "copies_with_the_process": kept, "copies": len(snaps)}
+
+
 def measure(a, Sandbox, cube, stack):
     """Every selected measurement against the stack the E2B_* variables point at."""
     only = set(filter(None, a.only.split(",")))
@@ -255,6 +290,8 @@ def measure(a, Sandbox, cube, stack):
                                              a.auto_resumes)
     if want("egress") and a.egress_rounds > 0:
         R["egress"] = bench_egress(Sandbox, a.template, a.egress_rounds)
+    if want("snapshot") and a.snapshots > 0:
+        R["snapshot"] = bench_snapshot(Sandbox, a.template, a.snapshots, a.snapshot_dirty_mib)
     return R
 
 
@@ -299,6 +336,14 @@ def rows_of(R):
                   c["create_20_names"]["p50_ms"] - c["create_plain"]["p50_ms"], "ms", "<= 1"),
                  ("update_network p50 (20 entries)", c["update_network"]["p50_ms"], "ms", "<= 5"),
                  ("update_network p95", c["update_network"]["p95_ms"], "ms", "")]
+    if "snapshot" in R:
+        c = R["snapshot"]
+        rows += [(f"create_snapshot() p50 ({c['dirty_mib']} MiB dirty in /dev/shm)", c["snapshot"]["p50_ms"], "ms", ""),
+                 ("create_snapshot() max", c["snapshot"]["max_ms"], "ms", ""),
+                 ("Sandbox.create(snapshot) p50", c["create_from_snapshot"]["p50_ms"], "ms", ""),
+                 ("Sandbox.create(snapshot) max", c["create_from_snapshot"]["max_ms"], "ms", ""),
+                 ("copies that kept the background process",
+                  c["copies_with_the_process"], f"of {c['copies']}", "")]
     return rows
 
 
@@ -315,8 +360,11 @@ def main():
                     help="pause-at-timeout / resume-by-request rounds (0 skips them)")
     ap.add_argument("--egress-rounds", type=int, default=40,
                     help="creates with and without a 20-entry policy, and updates (0 skips them)")
+    ap.add_argument("--snapshots", type=int, default=5, help="snapshot rounds (0 skips them)")
+    ap.add_argument("--snapshot-dirty-mib", type=int, default=64,
+                    help="MiB the snapshotted sandbox writes to /dev/shm (memory) first")
     ap.add_argument("--only", default="",
-                    help="comma list of: create,create_run,throughput,list,edge,auto_resume,egress")
+                    help="comma list of: create,create_run,throughput,list,edge,auto_resume,egress,snapshot")
     ap.add_argument("--local-stack", action="store_true", help="start a private stack (tests/e2e fixture)")
     ap.add_argument("--runtime", default="",
                     help="with --local-stack: comma list of node runtimes (namespace,gvisor,microvm), each "

@@ -17,11 +17,12 @@ from test_sdk import api
 
 def serve_http(sbx, port, body):
     """A one-line HTTP server in the sandbox (netcat, one connection at a time: callers retry
-    the moment between two): answers `body`, keeps the last request in /tmp/req-<port>.txt."""
+    the moment between two): answers `body`, keeps the last request in /tmp/req-<port>.txt (a
+    connection that sent nothing before nc finished, seen under load on gvisor, is not one)."""
     sbx.commands.run(
         f"while :; do printf 'HTTP/1.1 200 OK\\r\\nContent-Length: {len(body)}\\r\\n"
         f"Connection: close\\r\\n\\r\\n{body}' | nc -l -N {port} > /tmp/req-{port}.tmp; "
-        f"mv /tmp/req-{port}.tmp /tmp/req-{port}.txt; done",
+        f"[ -s /tmp/req-{port}.tmp ] && mv /tmp/req-{port}.tmp /tmp/req-{port}.txt; done",
         background=True)
 
 
