@@ -17,12 +17,18 @@ from test_sdk import api
 
 def serve_http(sbx, port, body):
     """A one-line HTTP server in the sandbox (netcat, one connection at a time: callers retry
-    the moment between two): answers `body`, keeps the last request in /tmp/req-<port>.txt (a
-    connection that sent nothing before nc finished, seen under load on gvisor, is not one)."""
+    the moment between two): reads the request's head, keeps it in /tmp/req-<port>.txt, then
+    answers `body`. It answers only after reading, as servers do: a response sent before the
+    request arrived could end the connection before the request was delivered."""
+    f = f"/tmp/resp-{port}"
     sbx.commands.run(
-        f"while :; do printf 'HTTP/1.1 200 OK\\r\\nContent-Length: {len(body)}\\r\\n"
-        f"Connection: close\\r\\n\\r\\n{body}' | nc -l -N {port} > /tmp/req-{port}.tmp; "
-        f"[ -s /tmp/req-{port}.tmp ] && mv /tmp/req-{port}.tmp /tmp/req-{port}.txt; done",
+        f"while :; do rm -f {f}; mkfifo {f}; "
+        f"cat {f} | nc -l -N {port} | {{ : > /tmp/req-{port}.tmp; "
+        f"while IFS= read -r l; do printf '%s\\n' \"$l\" >> /tmp/req-{port}.tmp; "
+        f"[ \"$l\" = $'\\r' ] && break; done; "
+        f"mv /tmp/req-{port}.tmp /tmp/req-{port}.txt; "
+        f"printf 'HTTP/1.1 200 OK\\r\\nContent-Length: {len(body)}\\r\\n"
+        f"Connection: close\\r\\n\\r\\n{body}' > {f}; cat > /dev/null; }}; done",
         background=True)
 
 
