@@ -486,7 +486,7 @@ async fn main() -> anyhow::Result<()> {
         md.push_str(&format!("| {ph} | {n} | {mean:.2} |\n"));
         phase_json.insert(ph.clone(), serde_json::json!({"n": n, "mean_ms": mean}));
     }
-    md.push_str("\n(disk, endpoint (netns) and cgroup run concurrently: `prepare` is their wall time; `veth` and `policy` run while `launch` does.)");
+    md.push_str("\n(disk, endpoint (netns) and cgroup run concurrently: `prepare` is their wall time; `veth` and `policy` run while `launch` does, or before it on gvisor, whose network stack takes the wired veth at start.)");
     md.push_str("\n\n## Idle sandboxes\n\n| sandboxes | create time s | host MemAvailable drop / sandbox KiB | cgroup memory / sandbox KiB | slab / sandbox KiB |\n|---|---|---|---|---|\n");
     md.push_str(&format!(
         "| {idle_done} | {elapsed_s:.1} | {per_sb_kib} | {cg_kib} | {slab_kib} |\n"
