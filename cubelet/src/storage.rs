@@ -67,6 +67,18 @@ pub fn clone_file(src: &Path, dst: &Path) -> Result<CloneKind, StorageError> {
     }
 }
 
+/// Moves the directory `new` to `out`, replacing what is there (a memory snapshot installed
+/// over an older one of a reused build: sandboxes restored from the old one keep the files they
+/// opened). `tag` names the old one while it is removed.
+pub fn replace_dir(new: &Path, out: &Path, tag: &str) -> Result<(), StorageError> {
+    if out.exists() {
+        let old = out.with_extension(format!("old-{tag}"));
+        std::fs::rename(out, &old).map_err(io("rename", out))?;
+        let _ = std::fs::remove_dir_all(&old);
+    }
+    std::fs::rename(new, out).map_err(io("rename", new))
+}
+
 /// Copies only the data segments of `src` (SEEK_DATA/SEEK_HOLE + copy_file_range); holes stay
 /// holes in `dst`.
 pub fn sparse_copy(src: &Path, dst: &Path) -> Result<(), StorageError> {

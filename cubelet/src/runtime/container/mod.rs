@@ -354,7 +354,7 @@ impl<L: Launcher> Container<L> {
 
     /// Releases a sandbox that never became the node's (a pool entry).
     async fn discard(&self, st: &SandboxState) {
-        let reusable = Runtime::release(self, st).await;
+        let reusable = self.release(st).await;
         self.host
             .release_rest(&started::dirname(&st.key), st, reusable)
             .await;
@@ -634,8 +634,7 @@ impl<L: Launcher> Container<L> {
     }
 
     /// Puts a snapshot's checkpoint beside its build's rootfs, replacing an older one (a
-    /// reused build has the same disk but other memory; restores already running keep the
-    /// files they opened).
+    /// reused build has the same disk but other memory).
     fn install_checkpoint(
         &self,
         m: &crate::template::Manifest,
@@ -646,14 +645,7 @@ impl<L: Launcher> Container<L> {
         let build_dir = rootfs
             .parent()
             .ok_or_else(|| NodeError::Internal("template rootfs has no directory".into()))?;
-        let out = checkpoint_dir(build_dir);
-        if out.exists() {
-            let old = build_dir.join(format!("checkpoint.old-{tag}"));
-            std::fs::rename(&out, &old)
-                .map_err(|e| NodeError::Internal(format!("replace checkpoint: {e}")))?;
-            let _ = std::fs::remove_dir_all(&old);
-        }
-        std::fs::rename(image, &out)
+        crate::storage::replace_dir(image, &checkpoint_dir(build_dir), tag)
             .map_err(|e| NodeError::Internal(format!("install checkpoint: {e}")))?;
         tracing::info!(template = %m.name, build = %m.build, "memory snapshot installed");
         Ok(())

@@ -570,15 +570,8 @@ impl Microvm {
             .parent()
             .ok_or_else(|| NodeError::Internal("template rootfs has no directory".into()))?;
         let out = microvm::snapshot_dir(build_dir, st.shape.vcpus, st.shape.memory_mib);
-        // Replace (a reused build has the same disk but a different memory image); sandboxes
-        // restored from the old one keep its files mapped.
-        if out.exists() {
-            let old = out.with_extension(format!("old-{tag}"));
-            std::fs::rename(&out, &old)
-                .map_err(|e| NodeError::Internal(format!("replace snapshot: {e}")))?;
-            let _ = std::fs::remove_dir_all(&old);
-        }
-        std::fs::rename(&mem_tmp, &out)
+        // Replace (a reused build has the same disk but a different memory image).
+        crate::storage::replace_dir(&mem_tmp, &out, &tag)
             .map_err(|e| NodeError::Internal(format!("install snapshot: {e}")))?;
         // Out of the shim's reach now: the template belongs to root, not to the shim's uid.
         if self.spawner.jail {
