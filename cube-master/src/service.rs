@@ -829,6 +829,9 @@ impl Controller {
                 "pause requested",
             )
             .await?;
+        // A paused sandbox's timeout no longer runs: it is kept for the retention. Set with
+        // `pausing` (listed as paused), as a pause to disk can take a while.
+        self.db.set_end(id, self.paused_until()).await?;
         let n = self.node_of(&row)?;
         let mut c = n.client.clone();
         let r = c
@@ -838,14 +841,13 @@ impl Controller {
             .await;
         match r {
             Ok(_) => {
-                // A paused sandbox's timeout no longer runs: it is kept for the retention.
-                self.db.set_end(id, self.paused_until()).await?;
                 self.db
                     .transition(id, SandboxState::Pausing, SandboxState::Paused, reason)
                     .await?;
                 self.visible(team, id).await
             }
             Err(s) => {
+                self.db.set_end(id, row.end_at_ms).await?;
                 self.db
                     .transition(
                         id,

@@ -132,6 +132,10 @@ pub struct GvisorConfig {
     pub platform: String,
     /// More runsc flags, before the command (e.g. "--debug").
     pub extra_args: Vec<String>,
+    /// Pause saves a sandbox's processes and memory to disk (`runsc checkpoint`) and stops it,
+    /// so a paused sandbox holds no host memory; resume restores it. `false`: pause freezes it
+    /// in RAM (faster, but its memory stays taken).
+    pub pause_to_disk: bool,
 }
 
 impl Default for GvisorConfig {
@@ -140,6 +144,7 @@ impl Default for GvisorConfig {
             runsc: "/usr/bin/runsc".into(),
             platform: "systrap".into(),
             extra_args: Vec::new(),
+            pause_to_disk: true,
         }
     }
 }

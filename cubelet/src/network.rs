@@ -252,7 +252,7 @@ impl Network {
         // A dedicated thread (it exits, taking the new namespace with it), awaited without
         // blocking the runtime so the concurrent parts of a create keep running.
         std::thread::spawn(move || {
-            let _ = tx.send(netns_thread(path, rt));
+            let _ = tx.send(netns_thread(path, rt, true));
         });
         rx.await
             .map_err(|_| NetError::Hook("netns thread panicked".into()))?
@@ -341,8 +341,24 @@ impl Network {
             .await?
             .ok_or_else(|| NetError::NoLink(ep.host_if.clone()))?;
         ep.host_ifindex = host_idx;
-        // Guest side, through the netlink socket opened inside the namespace.
-        let gidx = Self::index_of(&nsh, "eth0")
+        self.configure_guest(&nsh).await?;
+        drop(nsh);
+        self.host_end_up(ep, host_idx).await
+    }
+
+    /// The guest side of an endpoint, through a netlink socket opened inside its namespace:
+    /// `eth0` and `lo` up, the guest address, the default route and the gateway's MAC. Parts
+    /// already there are kept.
+    async fn configure_guest(&self, nsh: &rtnetlink::Handle) -> Result<(), NetError> {
+        let id = &self.identity;
+        // What a previous configuration left is fine.
+        let exists = |what: &'static str| {
+            move |e: rtnetlink::Error| match e {
+                rtnetlink::Error::NetlinkError(m) if m.raw_code() == -libc::EEXIST => Ok(()),
+                e => Err(nl(what)(e)),
+            }
+        };
+        let gidx = Self::index_of(nsh, "eth0")
             .await?
             .ok_or_else(|| NetError::NoLink("eth0".into()))?;
         nsh.link()
@@ -355,8 +371,8 @@ impl Network {
             .add(gidx, IpAddr::V4(id.guest_ip), id.prefix_len)
             .execute()
             .await
-            .map_err(nl("guest address"))?;
-        if let Some(lo) = Self::index_of(&nsh, "lo").await? {
+            .or_else(exists("guest address"))?;
+        if let Some(lo) = Self::index_of(nsh, "lo").await? {
             nsh.link()
                 .set(lo)
                 .up()
@@ -370,7 +386,7 @@ impl Network {
             .gateway(id.gateway_ip)
             .execute()
             .await
-            .map_err(nl("default route"))?;
+            .or_else(exists("default route"))?;
         // The gateway's MAC is fixed: a permanent entry saves the first ARP round trip and is
         // not counted against the kernel's ARP table limit, which every namespace shares.
         nsh.neighbours()
@@ -381,8 +397,21 @@ impl Network {
             .execute()
             .await
             .map_err(nl("gateway neighbour"))?;
-        drop(nsh);
-        self.host_end_up(ep, host_idx).await
+        Ok(())
+    }
+
+    /// Configures the guest side of a wired endpoint again: a user-space network stack that
+    /// ran in the namespace (gVisor) took its addresses and routes with it when it stopped.
+    pub async fn readdress(&self, ep: &Endpoint) -> Result<(), NetError> {
+        let (path, rt) = (ep.netns_path.clone(), tokio::runtime::Handle::current());
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(netns_thread(path, rt, false));
+        });
+        let nsh = rx
+            .await
+            .map_err(|_| NetError::Hook("netns thread panicked".into()))??;
+        self.configure_guest(&nsh).await
     }
 
     /// A microVM's tap as an endpoint: the host end of the guest's virtio-net, configured and
@@ -487,34 +516,47 @@ impl Network {
     }
 }
 
-/// Body of the netns thread: creates and bind-mounts a new network namespace at `path` and
-/// opens a netlink socket inside it.
-fn netns_thread(path: PathBuf, rt: tokio::runtime::Handle) -> Result<rtnetlink::Handle, NetError> {
+/// Body of a netns thread: creates and bind-mounts a new network namespace at `path` (or, when
+/// not `create`, enters the one there) and opens a netlink socket inside it. The thread exits
+/// right after; the socket stays in the namespace.
+fn netns_thread(
+    path: PathBuf,
+    rt: tokio::runtime::Handle,
+    create: bool,
+) -> Result<rtnetlink::Handle, NetError> {
     let ioe = |op: &'static str, p: &Path| {
         let path = p.display().to_string();
         move |source| NetError::Io { op, path, source }
     };
-    std::fs::File::create(&path).map_err(ioe("create", &path))?;
-    // SAFETY: unshare affects only this thread, which exits right after.
-    if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
-        return Err(ioe("unshare(NEWNET)", &path)(
-            std::io::Error::last_os_error(),
-        ));
-    }
-    let src = std::ffi::CString::new("/proc/thread-self/ns/net").unwrap_or_default();
-    let dst = cpath(&path);
-    // SAFETY: valid strings; bind mount of our own namespace file.
-    let r = unsafe {
-        libc::mount(
-            src.as_ptr(),
-            dst.as_ptr(),
-            std::ptr::null(),
-            libc::MS_BIND,
-            std::ptr::null(),
-        )
-    };
-    if r != 0 {
-        return Err(ioe("bind netns", &path)(std::io::Error::last_os_error()));
+    if create {
+        std::fs::File::create(&path).map_err(ioe("create", &path))?;
+        // SAFETY: unshare affects only this thread, which exits right after.
+        if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
+            return Err(ioe("unshare(NEWNET)", &path)(
+                std::io::Error::last_os_error(),
+            ));
+        }
+        let src = std::ffi::CString::new("/proc/thread-self/ns/net").unwrap_or_default();
+        let dst = cpath(&path);
+        // SAFETY: valid strings; bind mount of our own namespace file.
+        let r = unsafe {
+            libc::mount(
+                src.as_ptr(),
+                dst.as_ptr(),
+                std::ptr::null(),
+                libc::MS_BIND,
+                std::ptr::null(),
+            )
+        };
+        if r != 0 {
+            return Err(ioe("bind netns", &path)(std::io::Error::last_os_error()));
+        }
+    } else {
+        let f = std::fs::File::open(&path).map_err(ioe("open", &path))?;
+        // SAFETY: setns affects only this thread, which exits right after.
+        if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+            return Err(ioe("setns(NEWNET)", &path)(std::io::Error::last_os_error()));
+        }
     }
     let _g = rt.enter();
     let (conn, handle, _) = rtnetlink::new_connection().map_err(ioe("netlink socket", &path))?;

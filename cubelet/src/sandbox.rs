@@ -8,8 +8,9 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 pub const STATE_MAGIC: &str = "cube-sandbox-state";
-/// Version 2: the runtime's part is `runtime` (version 1 had an optional `microvm` field).
-pub const STATE_VERSION: u32 = 2;
+/// Version 3: gVisor's part is a struct (version 2: the bare name `"gvisor"`). Version 2: the
+/// runtime's part is `runtime` (version 1 had an optional `microvm` field).
+pub const STATE_VERSION: u32 = 3;
 
 /// Life-cycle phase persisted per sandbox.
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
@@ -86,7 +87,7 @@ pub enum RuntimeState {
     #[default]
     Namespace,
     /// A runsc sandbox named by the sandbox's key.
-    Gvisor,
+    Gvisor(GvisorState),
     Microvm(Box<MicroVmState>),
 }
 
@@ -95,7 +96,7 @@ impl RuntimeState {
     pub fn name(&self) -> &'static str {
         match self {
             RuntimeState::Namespace => NAMESPACE,
-            RuntimeState::Gvisor => GVISOR,
+            RuntimeState::Gvisor(_) => GVISOR,
             RuntimeState::Microvm(_) => MICROVM,
         }
     }
@@ -113,6 +114,36 @@ impl RuntimeState {
             _ => None,
         }
     }
+
+    /// Where a sandbox paused to disk without a host process keeps its processes and memory.
+    pub fn paused_image(&self) -> Option<&Path> {
+        match self {
+            RuntimeState::Gvisor(g) => g.paused_image.as_deref(),
+            _ => None,
+        }
+    }
+
+    /// Records (or clears) the image of a pause to disk; only a runtime that has one can.
+    pub fn set_paused_image(&mut self, image: Option<PathBuf>) -> Result<(), String> {
+        match self {
+            RuntimeState::Gvisor(g) => {
+                g.paused_image = image;
+                Ok(())
+            }
+            other => Err(format!(
+                "{} sandboxes do not pause to an image",
+                other.name()
+            )),
+        }
+    }
+}
+
+/// Per-sandbox gVisor state.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
+pub struct GvisorState {
+    /// Set while paused to disk: the `runsc checkpoint` image; no runsc process is left.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub paused_image: Option<PathBuf>,
 }
 
 /// Runtime names (config `runtime = ...`, API `runtime`).
@@ -185,7 +216,7 @@ pub fn save(path: &Path, st: &SandboxState) -> Result<(), crate::state::StateErr
     crate::state::write(path, STATE_MAGIC, STATE_VERSION, st)
 }
 
-/// Reads a sandbox's state file, migrating version 1.
+/// Reads a sandbox's state file, migrating versions 1 and 2.
 pub fn load(path: &Path) -> Result<SandboxState, crate::state::StateError> {
     let (version, body) = crate::state::read_versions(path, STATE_MAGIC, 1..=STATE_VERSION)?;
     let json = |e| crate::state::StateError::Json {
@@ -197,11 +228,16 @@ pub fn load(path: &Path) -> Result<SandboxState, crate::state::StateError> {
     }
     let mut v: serde_json::Value = serde_json::from_str(&body).map_err(json)?;
     if let Some(o) = v.as_object_mut() {
-        let rt = match o.remove("microvm") {
-            Some(m) if !m.is_null() => serde_json::json!({ "microvm": m }),
-            _ => serde_json::json!("namespace"),
-        };
-        o.insert("runtime".into(), rt);
+        if version == 1 {
+            let rt = match o.remove("microvm") {
+                Some(m) if !m.is_null() => serde_json::json!({ "microvm": m }),
+                _ => serde_json::json!("namespace"),
+            };
+            o.insert("runtime".into(), rt);
+        }
+        if o.get("runtime").and_then(|r| r.as_str()) == Some(GVISOR) {
+            o.insert("runtime".into(), serde_json::json!({ GVISOR: {} }));
+        }
     }
     serde_json::from_value(v).map_err(json)
 }
@@ -232,7 +268,7 @@ mod tests {
     }
 
     #[test]
-    fn round_trip_and_version_1_migration() {
+    fn round_trip_and_migrations() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("state.json");
         let mv = MicroVmState {
@@ -242,7 +278,10 @@ mod tests {
         };
         for rt in [
             RuntimeState::Namespace,
-            RuntimeState::Gvisor,
+            RuntimeState::Gvisor(GvisorState::default()),
+            RuntimeState::Gvisor(GvisorState {
+                paused_image: Some("/p".into()),
+            }),
             RuntimeState::Microvm(Box::new(mv.clone())),
         ] {
             save(&p, &state(rt.clone())).unwrap();
@@ -261,7 +300,14 @@ mod tests {
         let st = load(&p).unwrap();
         assert_eq!(st.runtime, RuntimeState::Microvm(Box::new(mv)));
         assert_eq!(st.runtime.name(), MICROVM);
-        crate::state::write(&p, STATE_MAGIC, 3, &v1).unwrap();
+        // Version 2: gVisor's part was its bare name.
+        let mut v2 = serde_json::to_value(state(RuntimeState::Namespace)).unwrap();
+        v2["runtime"] = serde_json::json!("gvisor");
+        crate::state::write(&p, STATE_MAGIC, 2, &v2).unwrap();
+        let st = load(&p).unwrap();
+        assert_eq!(st.runtime, RuntimeState::Gvisor(GvisorState::default()));
+        assert_eq!(st.runtime.paused_image(), None);
+        crate::state::write(&p, STATE_MAGIC, 4, &v1).unwrap();
         assert!(load(&p).is_err());
     }
 }

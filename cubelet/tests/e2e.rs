@@ -480,11 +480,24 @@ async fn restart_readopts(runtime: &'static str) {
         .await
         .unwrap()
         .into_inner();
+    // On gVisor, /tmp is the Sentry's tmpfs: only memory holds it.
+    sh(&paused, "echo in-memory > /tmp/m").await;
     cl.pause_sandbox(pb::SandboxRef {
         sandbox_id: "keep2".into(),
     })
     .await
     .unwrap();
+    let ps = state_of(&c, "keep2");
+    if runtime == "gvisor" {
+        // Paused to disk: no host process, the checkpoint image in its place.
+        let image = ps
+            .runtime
+            .paused_image()
+            .expect("no pause image")
+            .to_owned();
+        assert!(image.join("checkpoint.img").is_file(), "{image:?}");
+        assert_eq!(ps.pid, 0);
+    }
     sh(&sb, "echo before > /tmp/x").await;
     let st = state_of(&c, "keep1");
     // The sampler (every 500 ms here) samples, pulls the agent's log and writes the journal.
@@ -589,6 +602,10 @@ async fn restart_readopts(runtime: &'static str) {
     .await
     .unwrap();
     assert_eq!(sh(&paused, "echo ok").await.1, "ok\n");
+    assert_eq!(sh(&paused, "cat /tmp/m").await.1, "in-memory\n");
+    if runtime == "gvisor" {
+        assert_eq!(state_of(&c, "keep2").runtime.paused_image(), None);
+    }
     cl.kill_sandbox(pb::SandboxRef {
         sandbox_id: "keep1".into(),
     })

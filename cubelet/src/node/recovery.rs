@@ -77,7 +77,8 @@ impl Node {
     }
 
     /// Whether a sandbox found at restart is taken back: it was running or paused, on this
-    /// node's runtime, its host process is the one it started, and the runtime agrees.
+    /// node's runtime, its host process is the one it started (or, paused to disk, it has
+    /// none), and the runtime agrees.
     fn readoptable(&self, st: &SandboxState, dirname: &str) -> bool {
         if !matches!(st.phase, Phase::Running | Phase::Paused) || st.id != dirname {
             return false;
@@ -86,6 +87,7 @@ impl Node {
             tracing::warn!(id = %st.id, was = st.runtime.name(), now = self.runtime.name(), "sandbox of another runtime");
             return false;
         }
-        crate::runtime::is_alive(st.pid, st.pid_start) && self.runtime.readopt(st)
+        let on_disk = st.phase == Phase::Paused && st.runtime.paused_image().is_some();
+        (on_disk || crate::runtime::is_alive(st.pid, st.pid_start)) && self.runtime.readopt(st)
     }
 }

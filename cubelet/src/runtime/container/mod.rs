@@ -90,6 +90,19 @@ pub trait Launcher: Send + Sync + 'static {
         ))
     }
 
+    /// Whether pause saves the sandbox's processes and memory to an image and stops them
+    /// ([`Launcher::checkpoint_and_stop`]; resume is a [`Launcher::restore`]) rather than
+    /// freezing them in RAM.
+    fn pauses_to_disk(&self) -> bool {
+        false
+    }
+
+    /// Saves the running sandbox's processes and memory into the directory `image` and stops
+    /// it, releasing everything of it but its disk, cgroup and network endpoint. Blocking.
+    fn checkpoint_and_stop(&self, _st: &SandboxState, _image: &Path) -> Result<(), String> {
+        Err(format!("{} sandboxes do not pause to disk", self.name()))
+    }
+
     /// Like [`Launcher::launch`], but PID 1 and everything it ran continue from the
     /// checkpoint `image`. Blocking.
     fn restore(
@@ -103,6 +116,9 @@ pub trait Launcher: Send + Sync + 'static {
         Err(format!("{} cannot restore a checkpoint", self.name()))
     }
 }
+
+/// Where a sandbox paused to disk keeps its checkpoint: in its own directory.
+const PAUSED_IMAGE: &str = "paused";
 
 /// Where a template build made from a memory snapshot keeps its checkpoint: beside its rootfs.
 pub fn checkpoint_dir(build_dir: &Path) -> std::path::PathBuf {
@@ -435,11 +451,17 @@ impl<L: Launcher> Runtime for Container<L> {
     }
 
     async fn pause(&self, st: &mut SandboxState) -> Result<(), NodeError> {
-        self.freeze(st, true).await
+        if !self.launcher.pauses_to_disk() {
+            return self.freeze(st, true).await;
+        }
+        self.pause_to_disk(st).await
     }
 
     async fn resume(&self, st: &mut SandboxState) -> Result<(), NodeError> {
-        self.freeze(st, false).await
+        match st.runtime.paused_image().map(Path::to_path_buf) {
+            Some(image) => self.resume_from_disk(st, image).await,
+            None => self.freeze(st, false).await,
+        }
     }
 
     /// The filesystem is flushed and the disk cloned while the sandbox is stopped (frozen, or
@@ -469,7 +491,17 @@ impl<L: Launcher> Runtime for Container<L> {
             image.clone(),
         );
         let token = agent_token.map(str::to_string);
+        let paused_image = st.runtime.paused_image().map(Path::to_path_buf);
         let r = tokio::task::spawn_blocking(move || -> Result<(), String> {
+            // Paused to disk: disk and image are of one instant already and nothing runs.
+            if let (Some(from), Some(image)) = (&paused_image, &image2) {
+                crate::storage::clone_file(&disk, &tmp2).map_err(|e| e.to_string())?;
+                copy_private_dir(from, image)?;
+                return write_private(
+                    &image.join(CHECKPOINT_TOKEN),
+                    token.as_deref().unwrap_or(""),
+                );
+            }
             // What the runtime caches is written out while the sandbox runs (a paused one is
             // thawed for it), then the sandbox is stopped while its disk is synced and cloned.
             if !was_running {
@@ -623,6 +655,80 @@ impl<L: Launcher> Runtime for Container<L> {
 }
 
 impl<L: Launcher> Container<L> {
+    /// Saves the sandbox's processes and memory under its directory and stops it: it then
+    /// holds its disk, cgroup and endpoint, and no host memory.
+    async fn pause_to_disk(&self, st: &mut SandboxState) -> Result<(), NodeError> {
+        let image = self.host.paths_for(&st.id).dir.join(PAUSED_IMAGE);
+        let (launcher, st2, image2) = (self.launcher.clone(), st.clone(), image.clone());
+        tokio::task::spawn_blocking(move || -> Result<(), String> {
+            use std::os::unix::fs::DirBuilderExt;
+            // What an earlier, failed pause left.
+            let _ = std::fs::remove_dir_all(&image2);
+            launcher.flush(&st2)?;
+            // The sandbox's memory: root's alone.
+            std::fs::DirBuilder::new()
+                .mode(0o700)
+                .create(&image2)
+                .map_err(|e| format!("{}: {e}", image2.display()))?;
+            launcher.checkpoint_and_stop(&st2, &image2)
+        })
+        .await
+        .map_err(task)?
+        .map_err(internal("pause to disk"))?;
+        // No host process is left: pid 0 is never signalled.
+        st.pid = 0;
+        st.pid_start = 0;
+        st.runtime
+            .set_paused_image(Some(image))
+            .map_err(NodeError::Internal)
+    }
+
+    /// Restores a sandbox paused to disk in its own namespace (addressed again: the stopped
+    /// network stack took the addresses with it) and waits for its agent. On failure the
+    /// restored processes are stopped and the image kept, so a resume can be tried again.
+    async fn resume_from_disk(
+        &self,
+        st: &mut SandboxState,
+        image: std::path::PathBuf,
+    ) -> Result<(), NodeError> {
+        let h = &self.host;
+        let ep = st
+            .endpoint
+            .clone()
+            .ok_or_else(|| NodeError::Internal("sandbox has no network endpoint".into()))?;
+        h.net
+            .readdress(&ep)
+            .await
+            .map_err(|e| NodeError::Internal(format!("network endpoint: {e}")))?;
+        let id = st.id.clone();
+        let (r, t) = self
+            .launch(st, &id, ep.netns_path.clone(), Some(image.clone()))
+            .await;
+        h.phase("restore", t);
+        let (pid, start) = r?;
+        st.pid = pid;
+        st.pid_start = start;
+        let timeout = Duration::from_millis(u64::from(h.cfg.sandbox.ready_timeout_ms));
+        if let Err(e) = h.agent(&ep, st.host_addr).wait_healthy(timeout).await {
+            let (launcher, st2, paths) = (self.launcher.clone(), st.clone(), h.paths_for(&id));
+            let _ = tokio::task::spawn_blocking(move || {
+                launcher.cleanup(&st2, &paths);
+                crate::runtime::process::reap(st2.pid, Duration::from_secs(10));
+            })
+            .await;
+            st.pid = 0;
+            st.pid_start = 0;
+            return Err(NodeError::Internal(format!(
+                "sandbox {id}: restored, but its agent did not answer: {e}"
+            )));
+        }
+        st.runtime
+            .set_paused_image(None)
+            .map_err(NodeError::Internal)?;
+        let _ = std::fs::remove_dir_all(&image);
+        Ok(())
+    }
+
     /// The checkpoint of the template build whose rootfs is `rootfs`, when it has one and this
     /// launcher can restore it.
     fn checkpoint_of(&self, rootfs: &Path) -> Option<std::path::PathBuf> {
@@ -740,6 +846,25 @@ impl<L: Launcher> Container<L> {
 
 /// Writes `text` to a new file only root can read (the checkpoint's memory holds the token
 /// anyway, and it is as closed).
+/// Copies the files of the directory `from` into the new directory `to` (root's alone),
+/// sharing their blocks where the filesystem can.
+fn copy_private_dir(from: &Path, to: &Path) -> Result<(), String> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(to)
+        .map_err(|e| format!("{}: {e}", to.display()))?;
+    let rd = std::fs::read_dir(from).map_err(|e| format!("{}: {e}", from.display()))?;
+    for e in rd {
+        let e = e.map_err(|e| format!("{}: {e}", from.display()))?;
+        if e.file_type().map(|t| t.is_file()).unwrap_or(false) {
+            crate::storage::clone_file(&e.path(), &to.join(e.file_name()))
+                .map_err(|err| format!("{}: {err}", e.path().display()))?;
+        }
+    }
+    Ok(())
+}
+
 fn write_private(path: &Path, text: &str) -> Result<(), String> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;

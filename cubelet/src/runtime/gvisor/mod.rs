@@ -5,14 +5,17 @@
 //! and its processes run in it; `--ignore-cgroups`), the sandbox's network namespace on cube-vs
 //! (gVisor's own network stack takes its interface: the sandbox's TCP/IP is the Sentry's too;
 //! `init.rs` says how it starts on Debian's runsc despite gVisor issue #10704), the
-//! pre-started pool and freezing for pause.
+//! pre-started pool.
 //!
-//! Pause keeps memory in RAM (the cgroup is frozen). Snapshots keep memory: `runsc
-//! checkpoint` of the stopped sandbox with its disk cloned at the same instant, and a sandbox
-//! created from one is `runsc restore`d over a clone of that disk in its own namespace (every
-//! sandbox has the same address inside, so the restored stack fits). gVisor cannot save
-//! connected TCP sockets: `--net-disconnect-ok` resets them at a checkpoint, in the sandbox that
-//! goes on as well as in the copy; processes and listening sockets continue.
+//! Pause saves processes and memory to disk (`runsc checkpoint`) and stops the sandbox, which
+//! then holds no host memory; resume restores it in its own namespace, addressed again
+//! (`[gvisor] pause_to_disk = false`: the cgroup is frozen instead, memory stays in RAM).
+//! Snapshots keep memory: `runsc checkpoint` of the stopped sandbox with its disk cloned at the
+//! same instant, and a sandbox created from one is `runsc restore`d over a clone of that disk in
+//! its own namespace (every sandbox has the same address inside, so the restored stack fits).
+//! gVisor cannot save connected TCP sockets: `--net-disconnect-ok` resets them at a checkpoint
+//! or pause, in the sandbox that goes on as well as in the copy; processes and listening sockets
+//! continue.
 
 pub mod bundle;
 pub mod init;
@@ -38,6 +41,7 @@ pub struct Gvisor {
     hostname: String,
     tmp_size_mib: u64,
     run_size_mib: u64,
+    pause_to_disk: bool,
 }
 
 /// How long one runsc command may take.
@@ -86,6 +90,7 @@ impl Gvisor {
             hostname: cfg.sandbox.hostname.clone(),
             tmp_size_mib: cfg.sandbox.tmp_size_mib,
             run_size_mib: cfg.sandbox.run_size_mib,
+            pause_to_disk: cfg.gvisor.pause_to_disk,
         })
     }
 
@@ -177,7 +182,7 @@ impl Launcher for Gvisor {
     }
 
     fn new_state(&self) -> RuntimeState {
-        RuntimeState::Gvisor
+        RuntimeState::Gvisor(Default::default())
     }
 
     fn launch(
@@ -236,6 +241,20 @@ impl Launcher for Gvisor {
         let resumed = self.runsc(&["resume", &st.key]);
         r.and(resumed.map(|_| ()))
     }
+    fn pauses_to_disk(&self) -> bool {
+        self.pause_to_disk
+    }
+
+    /// `runsc checkpoint` without `--leave-running`: the sandbox exits once saved; its runsc
+    /// record and root mount go with it (a restore makes both again).
+    fn checkpoint_and_stop(&self, st: &SandboxState, image: &Path) -> Result<(), String> {
+        let path = image.to_string_lossy();
+        self.runsc(&["checkpoint", "--image-path", &path, &st.key])?;
+        crate::runtime::process::reap(st.pid, std::time::Duration::from_secs(10));
+        self.remove(&st.key);
+        Ok(())
+    }
+
     /// gVisor keeps file data in its own page cache: `sync` inside writes it to the disk.
     fn flush(&self, st: &SandboxState) -> Result<(), String> {
         self.runsc(&["exec", &st.key, "sync"]).map(|_| ())
@@ -258,9 +277,17 @@ impl Launcher for Gvisor {
         }
     }
 
-    /// Its bundle's root is still mounted (the node checked the sandbox process). Not asked
-    /// of runsc: `runsc state` talks to the sandbox, and a paused one is frozen.
+    /// Its bundle's root is still mounted (the node checked the sandbox process), or it is
+    /// paused to disk and its image is there. Not asked of runsc: `runsc state` talks to the
+    /// sandbox, and a paused one is frozen.
     fn readopt(&self, st: &SandboxState) -> bool {
+        if let Some(image) = st.runtime.paused_image() {
+            let ok = image.is_dir();
+            if !ok {
+                tracing::warn!(id = %st.id, image = %image.display(), "gVisor sandbox paused to disk without its image");
+            }
+            return ok;
+        }
         let root = self.bundle_dir(&st.key).join("root");
         let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
         let want = root.to_string_lossy();
