@@ -9,6 +9,7 @@ mod machine;
 mod micro;
 mod plot;
 mod report;
+mod runtimes;
 mod stats;
 mod suite;
 
@@ -151,9 +152,37 @@ struct RunArgs {
     /// TrueType font for the plots (default: DejaVu Sans or any .ttf under /usr/share/fonts).
     #[arg(long)]
     font: Option<PathBuf>,
-    /// cubectl binary used to record node runtime and versions (default: next to cube-bench, then PATH).
+    /// cubectl binary used to record node runtime and versions, and with --runtime to start
+    /// the stacks (default: next to cube-bench, then PATH).
     #[arg(long)]
     cubectl: Option<PathBuf>,
+    /// Measure each of these runtimes (namespace, gvisor, microvm) on a throwaway single-host
+    /// Cube of its own (`cubectl up` in a data directory under --out; root), one after the
+    /// other, and write them side by side (runtimes.md, runtimes.json). E2B_* are not used then.
+    #[arg(long, value_delimiter = ',')]
+    runtime: Vec<String>,
+    /// With --runtime: build each stack's `base` from this root filesystem directory
+    /// (`cubectl up --base-dir`) instead of Debian bookworm.
+    #[arg(long)]
+    base_dir: Option<PathBuf>,
+    /// With --runtime: the cube-agent put into templates (`cubectl up --agent`).
+    #[arg(long)]
+    agent: Option<PathBuf>,
+    /// With --runtime: sandboxes of `base` each stack keeps started (`cubectl up --pool`).
+    #[arg(long, default_value_t = 8)]
+    pool: u32,
+    /// With --runtime: size of each stack's sparse XFS image, GiB (`cubectl up --xfs-size-gib`).
+    #[arg(long, default_value_t = 16)]
+    xfs_size_gib: u32,
+}
+
+/// The Cube a suite runs against.
+struct Target {
+    api_url: String,
+    sandbox_url: String,
+    api_key: String,
+    /// The master `cubectl nodes` asks (else cubectl's own default).
+    master_url: Option<String>,
 }
 
 fn unix_now() -> u64 {
@@ -238,8 +267,9 @@ fn run_with_deadline(mut cmd: Command, deadline: Duration) -> Option<String> {
     }
 }
 
-fn cubectl_nodes(explicit: Option<&Path>) -> Option<Value> {
-    let bin = explicit.map(Path::to_path_buf).or_else(|| {
+/// The cubectl binary: `explicit`, else next to cube-bench, else on PATH.
+fn find_cubectl(explicit: Option<&Path>) -> Option<PathBuf> {
+    explicit.map(Path::to_path_buf).or_else(|| {
         let here = std::env::current_exe().ok()?.parent()?.join("cubectl");
         if here.is_file() {
             return Some(here);
@@ -247,8 +277,14 @@ fn cubectl_nodes(explicit: Option<&Path>) -> Option<Value> {
         std::env::split_paths(&std::env::var_os("PATH")?)
             .map(|d| d.join("cubectl"))
             .find(|p| p.is_file())
-    })?;
-    let mut cmd = Command::new(bin);
+    })
+}
+
+fn cubectl_nodes(explicit: Option<&Path>, master: Option<&str>) -> Option<Value> {
+    let mut cmd = Command::new(find_cubectl(explicit)?);
+    if let Some(m) = master {
+        cmd.args(["--master", m]);
+    }
     cmd.args(["--json", "nodes"]);
     let out = run_with_deadline(cmd, Duration::from_secs(10))?;
     serde_json::from_str(&out).ok()
@@ -351,21 +387,108 @@ fn required(v: &Option<String>, flag: &str, env: &str) -> Result<String> {
 }
 
 async fn run_main(a: RunArgs) -> Result<()> {
+    let out = a.out.clone().unwrap_or_else(|| default_out(""));
+    if !a.runtime.is_empty() {
+        return run_runtimes(&a, out).await;
+    }
+    let target = Target {
+        api_url: required(&a.api_url, "--api-url", "E2B_API_URL")?,
+        sandbox_url: required(&a.sandbox_url, "--sandbox-url", "E2B_SANDBOX_URL")?,
+        api_key: required(&a.api_key, "--api-key", "E2B_API_KEY")?,
+        master_url: None,
+    };
+    run_suite(&a, &target, &out).await.map(|_| ())
+}
+
+/// `--runtime`: every runtime on a stack of its own, then the comparison. Fails when any
+/// runtime could not be measured (after writing what was).
+async fn run_runtimes(a: &RunArgs, out: PathBuf) -> Result<()> {
+    runtimes::validate(&a.runtime)?;
+    let cubectl = find_cubectl(a.cubectl.as_deref())
+        .context("--runtime needs cubectl (next to cube-bench, on PATH, or --cubectl)")?;
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    let opts = runtimes::StackOpts {
+        cubectl,
+        dir: out.join("stacks"),
+        base_dir: a.base_dir.clone(),
+        agent: a.agent.clone(),
+        pool: a.pool,
+        xfs_size_gib: a.xfs_size_gib,
+    };
+    let started_unix = unix_now();
+    let mut rows = Vec::new();
+    for rt in &a.runtime {
+        let dir = out.join(rt);
+        let stack = {
+            let o = opts.clone();
+            let rt = rt.clone();
+            tokio::task::spawn_blocking(move || runtimes::Stack::up(&o, &rt))
+                .await
+                .context("cubectl up task")?
+        };
+        let row = match stack {
+            Ok(stack) => {
+                let t = Target {
+                    api_url: stack.api_url.clone(),
+                    sandbox_url: stack.sandbox_url.clone(),
+                    api_key: stack.api_key.clone(),
+                    master_url: Some(stack.master_url.clone()),
+                };
+                let r = run_suite(a, &t, &dir).await;
+                tokio::task::spawn_blocking(move || drop(stack))
+                    .await
+                    .context("cubectl down task")?;
+                match r {
+                    Ok(rep) => runtimes::Compared::of(&rep, &dir),
+                    Err(e) => runtimes::Compared::failed(rt, &dir, format!("{e:#}")),
+                }
+            }
+            Err(e) => runtimes::Compared::failed(rt, &dir, format!("{e:#}")),
+        };
+        if let Some(e) = &row.error {
+            eprintln!("== {rt}: not measured: {e}");
+        }
+        rows.push(row);
+    }
+    let _ = std::fs::remove_dir(&opts.dir);
+    let machine = machine::detect();
+    let md = runtimes::markdown(&rows, &machine);
+    std::fs::write(out.join("runtimes.md"), &md)?;
+    let json = runtimes::Comparison {
+        schema: runtimes::SCHEMA,
+        started_unix,
+        machine: &machine,
+        runtimes: &rows,
+    };
+    std::fs::write(out.join("runtimes.json"), serde_json::to_vec_pretty(&json)?)?;
+    println!("{md}");
+    eprintln!("wrote {}/runtimes.json and runtimes.md", out.display());
+    let failed: Vec<&str> = rows
+        .iter()
+        .filter(|r| r.error.is_some())
+        .map(|r| r.runtime.as_str())
+        .collect();
+    if !failed.is_empty() {
+        bail!("not measured: {} (see runtimes.md)", failed.join(", "));
+    }
+    Ok(())
+}
+
+/// The whole suite against one Cube; the report is also written under `out`.
+async fn run_suite(a: &RunArgs, t: &Target, out: &Path) -> Result<Report> {
     let started = Instant::now();
     let started_unix = unix_now();
-    let api_url = required(&a.api_url, "--api-url", "E2B_API_URL")?;
-    let sandbox_url = required(&a.sandbox_url, "--sandbox-url", "E2B_SANDBOX_URL")?;
-    let api_key = required(&a.api_key, "--api-key", "E2B_API_KEY")?;
+    let (api_url, sandbox_url) = (t.api_url.clone(), t.sandbox_url.clone());
     let settings = api::Settings {
         api: http::Endpoint::parse(&api_url)?,
         edge: http::Endpoint::parse(&sandbox_url)?,
-        api_key,
+        api_key: t.api_key.clone(),
         template: a.template.clone(),
         sandbox_timeout_s: 3600,
         request_timeout: Duration::from_secs(a.request_timeout_s.max(1)),
     };
     let api_local = settings.api.is_loopback();
-    let plan = plan(&a, api_local, &api_url)?;
+    let plan = plan(a, api_local, &api_url)?;
     let font = match plot::load_font(a.font.as_deref()) {
         Ok(p) => Some(p),
         Err(e) => {
@@ -409,8 +532,8 @@ async fn run_main(a: RunArgs) -> Result<()> {
         bail!("preflight: `echo hi` printed {:?}", echo.stdout);
     }
     let nodes = tokio::task::spawn_blocking({
-        let p = a.cubectl.clone();
-        move || cubectl_nodes(p.as_deref())
+        let (p, m) = (a.cubectl.clone(), t.master_url.clone());
+        move || cubectl_nodes(p.as_deref(), m.as_deref())
     })
     .await
     .ok()
@@ -459,6 +582,7 @@ async fn run_main(a: RunArgs) -> Result<()> {
         machine: machine.clone(),
         runtime,
         runtime_source,
+        isolation: detail["isolation"].as_str().unwrap_or_default().to_string(),
         versions,
         api_url: api_url.clone(),
         sandbox_url: sandbox_url.clone(),
@@ -470,8 +594,7 @@ async fn run_main(a: RunArgs) -> Result<()> {
         "runtime {} ({})",
         environment.runtime, environment.runtime_source
     );
-    let out = a.out.clone().unwrap_or_else(|| default_out(""));
-    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
 
     // The report is rewritten after every phase, so an interrupted run keeps what it measured.
     let mut report = Report {
@@ -508,7 +631,7 @@ async fn run_main(a: RunArgs) -> Result<()> {
     let md = report::markdown(&report);
     std::fs::write(out.join("cube-bench.md"), &md)?;
     let (pngs, notes) = if font.is_some() {
-        plot::write_all(&report, &out)
+        plot::write_all(&report, out)
     } else {
         (Vec::new(), vec!["plots skipped: no font".to_string()])
     };
@@ -526,7 +649,7 @@ async fn run_main(a: RunArgs) -> Result<()> {
         pngs.len(),
         report.duration_s
     );
-    Ok(())
+    Ok(report)
 }
 
 fn summary(r: &Report) -> Vec<String> {

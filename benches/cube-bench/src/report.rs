@@ -21,6 +21,9 @@ pub struct Environment {
     /// `microvm`, `namespace` or `unknown`, and where that came from.
     pub runtime: String,
     pub runtime_source: String,
+    /// The boundary that runtime puts around a sandbox, as the sandbox detail names it.
+    #[serde(default)]
+    pub isolation: String,
     pub versions: BTreeMap<String, String>,
     pub api_url: String,
     pub sandbox_url: String,
@@ -259,7 +262,19 @@ pub fn markdown(r: &Report) -> String {
     );
     out.push_str("| | |\n|---|---|\n");
     let rows = [
-        ("Runtime", format!("{} ({})", e.runtime, e.runtime_source)),
+        (
+            "Runtime",
+            format!(
+                "{} ({}), isolation {}",
+                e.runtime,
+                e.runtime_source,
+                if e.isolation.is_empty() {
+                    "unknown"
+                } else {
+                    &e.isolation
+                }
+            ),
+        ),
         (
             "CPU",
             format!("{} ({} logical cores)", m.cpu_model, m.cores),
@@ -364,7 +379,7 @@ pub fn markdown(r: &Report) -> String {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::stats::summarize;
 
@@ -382,6 +397,7 @@ mod tests {
             machine,
             runtime: "namespace".into(),
             runtime_source: "sandbox detail".into(),
+            isolation: "shared-kernel".into(),
             versions: BTreeMap::from([("cube-bench".into(), "0.1.0".into())]),
             api_url: "http://127.0.0.1:3000".into(),
             sandbox_url: "http://127.0.0.1:3001".into(),
