@@ -23,6 +23,12 @@ pub struct MasterConfig {
     /// How long rows of killed sandboxes are kept (for `cubectl sandbox get` and audits)
     /// before the reaper deletes them; 0 keeps them forever.
     pub killed_retention_s: u64,
+    /// How often every Ready node's sandboxes are reconciled with the rows (orphans killed,
+    /// rows of sandboxes the node no longer runs ended); 0 = only when a node comes back.
+    pub reconcile_interval_ms: u64,
+    /// How old a sandbox on a node must be before it is killed as an orphan (no row, or a
+    /// finished one): longer than any create, so an in-flight create is never taken for one.
+    pub orphan_grace_ms: u64,
     /// How long a paused sandbox is kept (from its pause) before the reaper kills it; a
     /// connect resumes it and its timeout counts again. 0 keeps paused sandboxes until killed.
     pub paused_retention_s: u64,
@@ -68,6 +74,8 @@ impl Default for MasterConfig {
             reaper_interval_ms: 1000,
             max_timeout_s: 24 * 3600,
             killed_retention_s: 3600,
+            reconcile_interval_ms: 30_000,
+            orphan_grace_ms: 120_000,
             paused_retention_s: 30 * 24 * 3600,
             idempotency_retention_s: 24 * 3600,
             default_vcpus: 2,

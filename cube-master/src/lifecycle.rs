@@ -2,7 +2,10 @@
 //! means for sandboxes: a node that goes NotReady has its sandboxes marked `lost` (visible with
 //! the reason through GetSandbox/ListSandboxes); when it is Ready again they are reconciled with
 //! what the node really runs (back to running/paused, or failed when gone), and sandboxes the
-//! master already considers dead are removed from it.
+//! master already considers dead are removed from it. Ready nodes are reconciled the same way
+//! every `reconcile_interval_ms`: a running or paused row whose sandbox the node no longer
+//! runs is ended (`killed`, with the reason), and a sandbox no row claims is killed once it is
+//! older than `orphan_grace_ms` (so an in-flight create is never taken for one).
 
 use crate::error::MasterError;
 use crate::node_store::{NodeRow, TokenRefusal};
@@ -402,7 +405,9 @@ impl Controller {
     /// One pass of node health handling: expire silent nodes, mark sandboxes of NotReady
     /// nodes lost, reconcile nodes that are Ready again.
     pub async fn check_nodes(&self) {
-        self.nodes.expire(crate::now_ms());
+        let now = crate::now_ms();
+        self.nodes.expire(now);
+        let every = self.cfg.reconcile_interval_ms as i64;
         for n in self.nodes.snapshot() {
             if n.origin == Origin::Static && !n.db_synced && n.health == Health::Ready {
                 if let Err(e) = self.sync_static(&n).await {
@@ -410,6 +415,13 @@ impl Controller {
                 }
             }
             if n.health == n.handled {
+                if n.health == Health::Ready
+                    && every > 0
+                    && now - n.reconciled_ms >= every
+                    && self.reconcile(&n).await
+                {
+                    self.nodes.update(&n.address, |e| e.reconciled_ms = now);
+                }
                 continue;
             }
             let done = match n.health {
@@ -423,6 +435,9 @@ impl Controller {
                     // Only if nothing changed meanwhile; otherwise the next pass handles it.
                     if e.health == h {
                         e.handled = h;
+                        if h == Health::Ready {
+                            e.reconciled_ms = now;
+                        }
                     }
                 });
             }
@@ -551,46 +566,93 @@ impl Controller {
         let mut complete = true;
         for r in &rows {
             let Ok(st) = r.state() else { continue };
-            let target = match (st, on_node.get(r.id.as_str())) {
-                (SandboxState::Lost, Some(s)) => {
-                    if s.state == node::SandboxState::Paused as i32 {
-                        Some((SandboxState::Paused, format!("node {id} is back")))
-                    } else {
-                        Some((SandboxState::Running, format!("node {id} is back")))
+            // Each step a transition: a lost sandbox back (or failed), a running or paused one
+            // the node no longer runs ended through killing.
+            let steps: Vec<(SandboxState, SandboxState, String)> =
+                match (st, on_node.get(r.id.as_str())) {
+                    (SandboxState::Lost, Some(s)) => {
+                        let to = if s.state == node::SandboxState::Paused as i32 {
+                            SandboxState::Paused
+                        } else {
+                            SandboxState::Running
+                        };
+                        vec![(st, to, format!("node {id} is back"))]
                     }
-                }
-                (SandboxState::Lost | SandboxState::Running | SandboxState::Paused, None) => {
-                    Some((
+                    (SandboxState::Lost, None) => vec![(
+                        st,
                         SandboxState::Failed,
                         format!("lost: node {id} no longer has this sandbox"),
-                    ))
-                }
-                _ => None,
-            };
-            let Some((to, reason)) = target else { continue };
+                    )],
+                    (SandboxState::Running | SandboxState::Paused, None) => {
+                        let why = format!("gone: node {id} no longer runs this sandbox");
+                        vec![
+                            (st, SandboxState::Killing, why.clone()),
+                            (SandboxState::Killing, SandboxState::Killed, why),
+                        ]
+                    }
+                    _ => continue,
+                };
             let lock = self.lock_for(&r.id);
             let Ok(_g) = tokio::time::timeout(Duration::from_secs(1), lock.lock()).await else {
                 complete = false;
                 continue;
             };
-            match self.db.transition(&r.id, st, to, &reason).await {
-                Ok(true) => {
-                    tracing::info!(sandbox = %r.id, node = %id, from = %st, to = %to, "reconciled")
+            for (from, to, reason) in steps {
+                match self.db.transition(&r.id, from, to, &reason).await {
+                    Ok(true) => {
+                        tracing::info!(sandbox = %r.id, node = %id, from = %from, to = %to, reason, "reconciled");
+                        if to == SandboxState::Killed {
+                            self.metrics.gone.inc();
+                        }
+                    }
+                    // It changed meanwhile (an operation finished): the next pass sees it.
+                    Ok(false) => break,
+                    Err(e) => {
+                        tracing::warn!(sandbox = %r.id, error = %e, "reconcile transition failed");
+                        complete = false;
+                        break;
+                    }
                 }
-                Ok(false) => {}
-                Err(e) => {
-                    tracing::warn!(sandbox = %r.id, error = %e, "reconcile transition failed");
+            }
+        }
+        // The node's backstop end times follow the rows (a SetEndTime that failed is repeated),
+        // read again under the sandbox's lock so a concurrent extension is not undone.
+        for r in &rows {
+            let Some(s) = on_node.get(r.id.as_str()) else {
+                continue;
+            };
+            let running = s.state == node::SandboxState::Running as i32;
+            let want = crate::service::node_end(r, r.end_at_ms);
+            if !running || i64::try_from(s.end_at_ms).ok() == Some(want) {
+                continue;
+            }
+            let lock = self.lock_for(&r.id);
+            let Ok(_g) = tokio::time::timeout(Duration::from_secs(1), lock.lock()).await else {
+                complete = false;
+                continue;
+            };
+            if let Ok(Some(fresh)) = self.db.get_sandbox(&r.id).await {
+                let end = crate::service::node_end(&fresh, fresh.end_at_ms);
+                if matches!(fresh.state(), Ok(SandboxState::Running))
+                    && !self.tell_end(n, &fresh.id, end).await
+                {
                     complete = false;
                 }
             }
         }
-        // Sandboxes the master has given up on (killed while the node was away) go now.
+        // Sandboxes the master has given up on (killed while the node was away), and those no
+        // row claims once they are older than any create, go now.
+        let now = crate::now_ms();
         for s in &listed {
             let dead = match self.db.get_sandbox(&s.sandbox_id).await {
                 Ok(Some(row)) => row.state().map(|x| x.is_terminal()).unwrap_or(false),
                 Ok(None) => {
-                    tracing::warn!(node = %id, sandbox = %s.sandbox_id, "node runs a sandbox this master does not know; left alone");
-                    false
+                    let age_ms = now - i64::try_from(s.created_at_ms).unwrap_or(0);
+                    let orphan = age_ms >= self.cfg.orphan_grace_ms as i64;
+                    if !orphan {
+                        tracing::debug!(node = %id, sandbox = %s.sandbox_id, age_ms, "no row for a young sandbox (a create in flight?); left for now");
+                    }
+                    orphan
                 }
                 Err(_) => false,
             };
@@ -604,7 +666,8 @@ impl Controller {
                 .await;
                 match r {
                     Ok(Ok(_)) => {
-                        tracing::info!(node = %id, sandbox = %s.sandbox_id, "removed a sandbox killed while its node was away")
+                        self.metrics.orphans_killed.inc();
+                        tracing::warn!(node = %id, sandbox = %s.sandbox_id, "killed a sandbox no live row claims")
                     }
                     _ => complete = false,
                 }

@@ -11,6 +11,9 @@
 //! - `cube_master_nodes{status}` — `ready` | `not_ready` | `unknown`; `cube_master_nodes_cordoned`
 //! - `cube_master_sandboxes_lost_total` — sandboxes marked lost because their node went away
 //! - `cube_master_sandboxes_auto_paused_total` — sandboxes paused at their timeout (autoPause)
+//! - `cube_master_orphans_killed_total` — sandboxes killed on a node because no row (or only a
+//!   finished one) claims them
+//! - `cube_master_sandboxes_gone_total` — rows ended because their node no longer runs them
 //! - `cube_master_idempotent_replays_total` — creates answered with an earlier create's sandbox
 //! - `cube_master_grpc_requests_total{method}`, `cube_master_grpc_errors_total{method, code}`
 
@@ -36,6 +39,8 @@ pub struct Metrics {
     pub nodes_cordoned: IntGauge,
     pub lost: IntCounter,
     pub auto_paused: IntCounter,
+    pub orphans_killed: IntCounter,
+    pub gone: IntCounter,
     pub idempotent_replays: IntCounter,
     pub grpc_requests: IntCounterVec,
     pub grpc_errors: IntCounterVec,
@@ -111,6 +116,14 @@ impl Metrics {
             "cube_master_sandboxes_auto_paused_total",
             "Sandboxes paused, not killed, at their timeout (autoPause)",
         ));
+        let orphans_killed = must(IntCounter::new(
+            "cube_master_orphans_killed_total",
+            "Sandboxes killed on a node because no row (or only a finished one) claims them",
+        ));
+        let gone = must(IntCounter::new(
+            "cube_master_sandboxes_gone_total",
+            "Rows of running or paused sandboxes ended because their node no longer runs them",
+        ));
         let idempotent_replays = must(IntCounter::new(
             "cube_master_idempotent_replays_total",
             "Creates answered with the sandbox of an earlier create with the same Idempotency-Key",
@@ -137,6 +150,8 @@ impl Metrics {
             Box::new(nodes_cordoned.clone()),
             Box::new(lost.clone()),
             Box::new(auto_paused.clone()),
+            Box::new(orphans_killed.clone()),
+            Box::new(gone.clone()),
             Box::new(idempotent_replays.clone()),
             Box::new(grpc_requests.clone()),
             Box::new(grpc_errors.clone()),
@@ -155,6 +170,8 @@ impl Metrics {
             nodes_cordoned,
             lost,
             auto_paused,
+            orphans_killed,
+            gone,
             idempotent_replays,
             grpc_requests,
             grpc_errors,

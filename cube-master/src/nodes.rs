@@ -50,6 +50,8 @@ pub struct Node {
     pub health: Health,
     /// The last health [`crate::lifecycle`] acted on (marking sandboxes lost, reconciling).
     pub handled: Health,
+    /// When its sandboxes were last reconciled completely (unix ms; 0 = not yet).
+    pub reconciled_ms: i64,
     pub origin: Origin,
     pub cordoned: bool,
     /// Known id (registered nodes; static nodes once they answered or from the database).
@@ -102,6 +104,7 @@ impl Node {
             ready: false,
             health: Health::Unknown,
             handled: Health::Unknown,
+            reconciled_ms: 0,
             origin,
             cordoned: false,
             node_id: String::new(),

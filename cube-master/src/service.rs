@@ -448,7 +448,7 @@ impl Controller {
                         let start = crate::now_ms();
                         row.started_at_ms = start;
                         row.end_at_ms = start + (p.timeout_s as i64) * 1000;
-                        self.db.set_end(&row.id, row.end_at_ms).await?;
+                        self.set_end(&row, row.end_at_ms).await?;
                         if !self
                             .db
                             .transition(
@@ -542,6 +542,18 @@ impl Controller {
             default_workdir: String::new(),
             ready_timeout_ms: 0,
             from_snapshot,
+            // The latest it can end (its timeout counts from when it runs, SetEndTime after);
+            // none for a sandbox paused at its end (the node cannot pause it for the master).
+            end_at_ms: if row.auto_pause != 0 {
+                0
+            } else {
+                u64::try_from(
+                    crate::now_ms()
+                        + i64::try_from(self.cfg.create_timeout_ms).unwrap_or(0)
+                        + p.timeout_s as i64 * 1000,
+                )
+                .unwrap_or(0)
+            },
         };
         let mut c = n.client.clone();
         let t = Duration::from_millis(self.cfg.create_timeout_ms);
@@ -625,6 +637,41 @@ impl Controller {
         tokio::time::timeout(Duration::from_secs(2), fut)
             .await
             .map_err(|_| Probe::NoAnswer("timed out".into()))?
+    }
+
+    /// Records when a sandbox ends, and tells its node (the node kills a running sandbox
+    /// itself once that is long past: a backstop should this master be gone). A node that
+    /// does not answer is told by the next reconcile.
+    pub(crate) async fn set_end(
+        &self,
+        row: &SandboxRow,
+        end_at_ms: i64,
+    ) -> Result<(), MasterError> {
+        self.db.set_end(&row.id, end_at_ms).await?;
+        if let Ok(n) = self.node_of(row) {
+            self.tell_end(&n, &row.id, node_end(row, end_at_ms)).await;
+        }
+        Ok(())
+    }
+
+    /// SetEndTime on `n`, bounded; a failure is logged (the reconcile repeats it).
+    pub(crate) async fn tell_end(&self, n: &Node, id: &str, end_at_ms: i64) -> bool {
+        let mut c = n.client.clone();
+        let req = node::SetEndTimeRequest {
+            sandbox_id: id.to_string(),
+            end_at_ms: u64::try_from(end_at_ms).unwrap_or(0),
+        };
+        match tokio::time::timeout(Duration::from_secs(2), c.set_end_time(req)).await {
+            Ok(Ok(_)) => true,
+            Ok(Err(e)) => {
+                tracing::warn!(sandbox = id, node = %n.address, error = %e, "SetEndTime failed");
+                false
+            }
+            Err(_) => {
+                tracing::warn!(sandbox = id, node = %n.address, "SetEndTime timed out");
+                false
+            }
+        }
     }
 
     pub(crate) fn node_of(&self, row: &SandboxRow) -> Result<Node, MasterError> {
@@ -711,7 +758,7 @@ impl Controller {
             return Ok(row);
         }
         row.end_at_ms = end;
-        self.db.set_end(id, row.end_at_ms).await?;
+        self.set_end(&row, row.end_at_ms).await?;
         Ok(row)
     }
 
@@ -831,7 +878,7 @@ impl Controller {
             .await?;
         // A paused sandbox's timeout no longer runs: it is kept for the retention. Set with
         // `pausing` (listed as paused), as a pause to disk can take a while.
-        self.db.set_end(id, self.paused_until()).await?;
+        self.set_end(&row, self.paused_until()).await?;
         let n = self.node_of(&row)?;
         let mut c = n.client.clone();
         let r = c
@@ -847,7 +894,7 @@ impl Controller {
                 self.visible(team, id).await
             }
             Err(s) => {
-                self.db.set_end(id, row.end_at_ms).await?;
+                self.set_end(&row, row.end_at_ms).await?;
                 self.db
                     .transition(
                         id,
@@ -887,7 +934,7 @@ impl Controller {
                 // Connecting never shortens a running sandbox's life.
                 if new_end > row.end_at_ms {
                     row.end_at_ms = new_end;
-                    self.db.set_end(id, new_end).await?;
+                    self.set_end(&row, new_end).await?;
                 }
                 Ok((row, false))
             }
@@ -909,7 +956,7 @@ impl Controller {
                     .await
                 {
                     Ok(_) => {
-                        self.db.set_end(id, new_end).await?;
+                        self.set_end(&row, new_end).await?;
                         self.db
                             .transition(
                                 id,
@@ -1078,5 +1125,15 @@ impl Controller {
             }
         }
         Ok(n)
+    }
+}
+
+/// The end a node's backstop gets for a sandbox ending at `end_at_ms`: none for one that is
+/// paused at its end (autoPause), which only the master can do.
+pub(crate) fn node_end(row: &SandboxRow, end_at_ms: i64) -> i64 {
+    if row.auto_pause != 0 {
+        0
+    } else {
+        end_at_ms
     }
 }

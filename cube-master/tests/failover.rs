@@ -35,6 +35,12 @@ impl std::ops::Deref for Handle {
 
 #[tonic::async_trait]
 impl Node for Handle {
+    async fn set_end_time(
+        &self,
+        _r: Request<pb::SetEndTimeRequest>,
+    ) -> Result<Response<pb::Sandbox>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
     async fn create_sandbox(&self, r: Request<pb::CreateSandboxRequest>) -> R<pb::Sandbox> {
         self.creates.fetch_add(1, Ordering::SeqCst);
         if self.fail_create {

@@ -272,6 +272,109 @@ async fn heartbeat_timeout(url: String) {
 }
 both_backends!(heartbeat_timeout_marks_lost, super::heartbeat_timeout);
 
+/// A Ready node is reconciled every `reconcile_interval_ms`: a row whose sandbox the node no
+/// longer runs is ended with the reason, and a sandbox no row claims is killed once it is
+/// older than `orphan_grace_ms` (younger ones may be creates in flight).
+async fn periodic_reconcile(url: String) {
+    let cfg = MasterConfig {
+        reconcile_interval_ms: 50,
+        orphan_grace_ms: 60_000,
+        ..Default::default()
+    };
+    let ctl = controller(&url, &[], cfg).await;
+    let node = FakeNode::new("rc");
+    let (addr, _stop) = serve(node.clone()).await;
+    registered(&ctl, &node, &addr).await;
+    let a = ctl.create(params()).await.unwrap();
+    let b = ctl.create(params()).await.unwrap();
+    let c = ctl.create(params()).await.unwrap();
+    ctl.pause("t", &b.id, false).await.unwrap();
+    ctl.check_nodes().await;
+    assert_eq!(
+        node.count(),
+        3,
+        "a reconcile of a node in step changes nothing"
+    );
+    // The node knows each running sandbox's end (its backstop), and follows a new timeout.
+    let end_on_node = |id: &str| node.ends.lock().unwrap().get(id).copied().unwrap_or(0) as i64;
+    for r in [&a, &c] {
+        let row = ctl.db.get_sandbox(&r.id).await.unwrap().unwrap();
+        assert_eq!(end_on_node(&r.id), row.end_at_ms);
+    }
+    let row = ctl.set_timeout("t", &c.id, 900, false).await.unwrap();
+    assert_eq!(end_on_node(&c.id), row.end_at_ms);
+    // One paused at its end is the master's alone to end: the node gets no end for it.
+    let ap = ctl
+        .create(CreateParams {
+            auto_pause: true,
+            ..params()
+        })
+        .await
+        .unwrap();
+    assert_eq!(end_on_node(&ap.id), 0);
+    assert!(ctl.kill("t", &ap.id, "user").await.unwrap());
+    // An end the node missed (a SetEndTime that failed) is sent again by the next reconcile.
+    node.ends.lock().unwrap().insert(c.id.clone(), 1);
+    tokio::time::sleep(Duration::from_millis(60)).await;
+    ctl.check_nodes().await;
+    assert_eq!(end_on_node(&c.id), row.end_at_ms);
+    // The node lost `a` (say its process died and a restart could not re-adopt it), and runs
+    // two sandboxes no row claims: one just started (a create in flight), one long ago.
+    node.sandboxes.lock().unwrap().remove(&a.id);
+    let now = cube_master::now_ms() as u64;
+    for (id, created) in [("young1", now), ("old1", now - 600_000)] {
+        let st = cube_proto::nodev1::SandboxState::Running as i32;
+        node.sandboxes.lock().unwrap().insert(id.into(), st);
+        node.created_ms.lock().unwrap().insert(id.into(), created);
+    }
+    // Nothing happens before the interval has passed.
+    ctl.check_nodes().await;
+    assert_eq!(ctl.get("t", &a.id).await.unwrap().state, "running");
+    tokio::time::sleep(Duration::from_millis(60)).await;
+    ctl.check_nodes().await;
+    let r = ctl.db.get_sandbox(&a.id).await.unwrap().unwrap();
+    assert_eq!(r.state, "killed");
+    assert!(
+        r.reason.contains("gone: node rc no longer runs"),
+        "{}",
+        r.reason
+    );
+    assert!(
+        node.state_of("old1").is_none(),
+        "the old orphan was not killed"
+    );
+    assert!(
+        node.state_of("young1").is_some(),
+        "a young sandbox was taken for an orphan"
+    );
+    assert_eq!(ctl.get("t", &b.id).await.unwrap().state, "paused");
+    assert_eq!(ctl.get("t", &c.id).await.unwrap().state, "running");
+    assert_eq!(
+        (ctl.metrics.gone.get(), ctl.metrics.orphans_killed.get()),
+        (1, 1)
+    );
+    // Once it is older than the grace period it goes too; a killed row's sandbox at once.
+    node.created_ms
+        .lock()
+        .unwrap()
+        .insert("young1".into(), now - 600_000);
+    assert!(ctl.kill("t", &c.id, "user").await.unwrap());
+    node.sandboxes.lock().unwrap().insert(
+        c.id.clone(),
+        cube_proto::nodev1::SandboxState::Running as i32,
+    );
+    tokio::time::sleep(Duration::from_millis(60)).await;
+    ctl.check_nodes().await;
+    assert!(node.state_of("young1").is_none() && node.state_of(&c.id).is_none());
+    assert_eq!(node.count(), 1);
+    assert_eq!(ctl.metrics.orphans_killed.get(), 3);
+    assert_eq!(ctl.get("t", &b.id).await.unwrap().state, "paused");
+}
+both_backends!(
+    periodic_reconcile_ends_gone_rows_and_kills_orphans,
+    super::periodic_reconcile
+);
+
 async fn static_node_down_marks_lost(url: String) {
     let node = FakeNode::new("st");
     let (addr, stop) = serve(node.clone()).await;

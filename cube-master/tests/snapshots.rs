@@ -73,6 +73,12 @@ fn template(name: &str, build: &str, source: &str) -> pb::Template {
 
 #[tonic::async_trait]
 impl Node for Handle {
+    async fn set_end_time(
+        &self,
+        _r: Request<pb::SetEndTimeRequest>,
+    ) -> Result<Response<pb::Sandbox>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
     async fn create_sandbox(&self, r: Request<pb::CreateSandboxRequest>) -> R<pb::Sandbox> {
         let r = r.into_inner();
         // As cubelet: a snapshot only for a create the master pinned to it, and only then.

@@ -174,6 +174,9 @@ pub struct SandboxConfig {
     /// Extra arguments for cube-agent.
     pub agent_args: Vec<String>,
     pub ready_timeout_ms: u32,
+    /// A running sandbox whose end time (set by the master) is this long past is killed by
+    /// the node itself: a backstop should the master be gone. 0 = never.
+    pub end_grace_s: u64,
     pub seccomp: bool,
     /// Sandbox uids and gids 0..id_count are host ids id_base.. (a user namespace): root in a
     /// sandbox is not host root. `user_namespace = false` runs sandboxes as host root (tests).
@@ -271,6 +274,7 @@ impl Default for SandboxConfig {
             agent_port: 49983,
             agent_args: vec![],
             ready_timeout_ms: 10_000,
+            end_grace_s: 120,
             seccomp: true,
             user_namespace: true,
             // Above the ids Debian gives users and their /etc/subuid ranges (100000 + 65536 n).

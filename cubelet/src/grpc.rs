@@ -151,6 +151,7 @@ fn sandbox_to(node: &Node, s: &SandboxState) -> pb::Sandbox {
         create_latency_us: s.create_latency_us,
         from_pool: s.from_pool,
         network: Some(policy_to(&s.policy)),
+        end_at_ms: s.end_at_ms,
     }
 }
 
@@ -297,8 +298,18 @@ impl pb::node_server::Node for NodeService {
             default_workdir: r.default_workdir,
             ready_timeout_ms: r.ready_timeout_ms,
             from_snapshot: r.from_snapshot,
+            end_at_ms: r.end_at_ms,
         };
         let st = self.node.create(cr).await?;
+        Ok(Response::new(sandbox_to(&self.node, &st)))
+    }
+
+    async fn set_end_time(
+        &self,
+        req: Request<pb::SetEndTimeRequest>,
+    ) -> Result<Response<pb::Sandbox>, Status> {
+        let r = req.into_inner();
+        let st = self.node.set_end_time(&r.sandbox_id, r.end_at_ms).await?;
         Ok(Response::new(sandbox_to(&self.node, &st)))
     }
 

@@ -72,6 +72,10 @@ pub struct SandboxState {
     pub created_at_ms: u64,
     pub create_latency_us: u64,
     pub from_pool: bool,
+    /// When the master says it ends (unix ms; 0 = no end): the node's backstop kills a running
+    /// sandbox `sandbox.end_grace_s` after it.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub end_at_ms: u64,
     /// The sandbox's node-local host address (cube-vs); absent without a switch.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host_addr: Option<std::net::Ipv4Addr>,
@@ -211,6 +215,10 @@ impl SandboxPaths {
     }
 }
 
+fn is_zero(v: &u64) -> bool {
+    *v == 0
+}
+
 /// Writes a sandbox's state file.
 pub fn save(path: &Path, st: &SandboxState) -> Result<(), crate::state::StateError> {
     crate::state::write(path, STATE_MAGIC, STATE_VERSION, st)
@@ -262,6 +270,7 @@ mod tests {
             created_at_ms: 1,
             create_latency_us: 2,
             from_pool: false,
+            end_at_ms: 0,
             host_addr: None,
             runtime,
         }

@@ -775,6 +775,107 @@ async fn pools_serve_creates_and_churn_leaves_nothing() {
     c.assert_clean();
 }
 
+/// The node's backstop: a running sandbox whose end time (the master's, by create and
+/// SetEndTime) is `end_grace_s` past is ended by the node itself; one whose end is ahead, and
+/// a paused one (its retention is the master's), are left alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_node_ends_sandboxes_their_master_left_past_their_end() {
+    cube_testkit::require_priv!("cubelet::end_overdue");
+    let mut c = Cubelet::new(
+        "endt",
+        Opts {
+            end_grace_s: Some(1),
+            network_pool: 2,
+            ..Default::default()
+        },
+    );
+    let mut cl = c.start().await;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let mut ids = Vec::new();
+    for id in ["end1", "end2", "end3"] {
+        let mut r = create_req(id);
+        r.end_at_ms = now + 600_000;
+        let sb = cl.create_sandbox(r).await.unwrap().into_inner();
+        assert_eq!(sb.end_at_ms, now + 600_000);
+        ids.push(sb);
+    }
+    cl.pause_sandbox(pb::SandboxRef {
+        sandbox_id: "end3".into(),
+    })
+    .await
+    .unwrap();
+    // The master moves two ends into the past (as a shortened timeout would), the one that
+    // stays running past its grace is ended.
+    for id in ["end1", "end3"] {
+        let sb = cl
+            .set_end_time(pb::SetEndTimeRequest {
+                sandbox_id: id.into(),
+                end_at_ms: now - 5_000,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(sb.end_at_ms, now - 5_000);
+    }
+    assert_eq!(state_of(&c, "end1").end_at_ms, now - 5_000, "not recorded");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let l = cl
+            .list_sandboxes(pb::ListSandboxesRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        let mut left: Vec<&str> = l.sandboxes.iter().map(|s| s.sandbox_id.as_str()).collect();
+        left.sort();
+        if left == ["end2", "end3"] {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "left: {left:?}\n{}",
+            c.log()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert_eq!(sh(&ids[1], "echo alive").await.1, "alive\n");
+    let ended = cl
+        .sandbox_logs(pb::SandboxLogsRequest {
+            sandbox_id: "end1".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .entries;
+    assert!(
+        ended
+            .iter()
+            .any(|e| e.message.contains("ended by its node")),
+        "{ended:?}"
+    );
+    // An unknown sandbox is a clear error.
+    let e = cl
+        .set_end_time(pb::SetEndTimeRequest {
+            sandbox_id: "nope1".into(),
+            end_at_ms: 1,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::NotFound);
+    for id in ["end2", "end3"] {
+        cl.kill_sandbox(pb::SandboxRef {
+            sandbox_id: id.into(),
+        })
+        .await
+        .unwrap();
+    }
+    c.stop();
+    c.assert_clean();
+}
+
 /// A killed sandbox's network endpoint is reused by the next create: same namespace and host
 /// interface, no binding of the old sandbox left on it, and the new sandbox is reachable.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -144,6 +144,10 @@ pub struct FakeNode {
     pub templates: Vec<String>,
     pub fail_create: bool,
     pub sandboxes: Mutex<BTreeMap<String, i32>>,
+    /// When each sandbox was created (unix ms; absent = 0, long ago).
+    pub created_ms: Mutex<BTreeMap<String, u64>>,
+    /// The end time the master last set for each (SetEndTime).
+    pub ends: Mutex<BTreeMap<String, u64>>,
     pub creates: AtomicU32,
     pub pauses: AtomicU32,
     pub kills: AtomicU32,
@@ -201,6 +205,16 @@ impl Node for Handle {
             .lock()
             .unwrap()
             .insert(r.sandbox_id.clone(), st);
+        self.0
+            .created_ms
+            .lock()
+            .unwrap()
+            .insert(r.sandbox_id.clone(), cube_master::now_ms() as u64);
+        self.0
+            .ends
+            .lock()
+            .unwrap()
+            .insert(r.sandbox_id.clone(), r.end_at_ms);
         let n = r.network.unwrap_or_default();
         self.0.egress.lock().unwrap().insert(
             r.sandbox_id.clone(),
@@ -253,8 +267,17 @@ impl Node for Handle {
         _r: Request<pb::ListSandboxesRequest>,
     ) -> R<pb::ListSandboxesResponse> {
         let m = self.0.sandboxes.lock().unwrap();
+        let created = self.0.created_ms.lock().unwrap();
+        let ends = self.0.ends.lock().unwrap();
         Ok(Response::new(pb::ListSandboxesResponse {
-            sandboxes: m.iter().map(|(id, st)| sb(id, *st)).collect(),
+            sandboxes: m
+                .iter()
+                .map(|(id, st)| pb::Sandbox {
+                    created_at_ms: created.get(id).copied().unwrap_or(0),
+                    end_at_ms: ends.get(id).copied().unwrap_or(0),
+                    ..sb(id, *st)
+                })
+                .collect(),
         }))
     }
     async fn get_sandbox(&self, _r: Request<pb::SandboxRef>) -> R<pb::Sandbox> {
@@ -332,6 +355,19 @@ impl Node for Handle {
                 fields: Default::default(),
             }],
         }))
+    }
+    async fn set_end_time(&self, r: Request<pb::SetEndTimeRequest>) -> R<pb::Sandbox> {
+        let r = r.into_inner();
+        let st = self.0.state_of(&r.sandbox_id);
+        let Some(st) = st else {
+            return Err(Status::not_found("no such sandbox"));
+        };
+        self.0
+            .ends
+            .lock()
+            .unwrap()
+            .insert(r.sandbox_id.clone(), r.end_at_ms);
+        Ok(Response::new(sb(&r.sandbox_id, st)))
     }
     async fn set_egress(&self, r: Request<pb::SetEgressRequest>) -> R<pb::Sandbox> {
         let r = r.into_inner();

@@ -38,6 +38,8 @@ pub struct CreateRequest {
     pub ready_timeout_ms: u32,
     /// The master resolved `template` as one of the caller's snapshots (see node.proto).
     pub from_snapshot: bool,
+    /// When it ends (unix ms; 0 = no end), see [`Node::set_end_time`].
+    pub end_at_ms: u64,
 }
 
 type Entry = Arc<tokio::sync::Mutex<SandboxState>>;
@@ -276,6 +278,7 @@ impl Node {
             created_at_ms: crate::template::now_ms(),
             create_latency_us: 0,
             from_pool: false,
+            end_at_ms: req.end_at_ms,
             host_addr: None,
             runtime: self.runtime.new_state(),
         }));
@@ -391,6 +394,67 @@ impl Node {
             .inc();
         self.update_gauges();
         Ok(true)
+    }
+
+    /// SetEndTime: when the master says the sandbox ends; the node's backstop kills it a grace
+    /// period after, should the master not.
+    pub async fn set_end_time(&self, id: &str, end_at_ms: u64) -> Result<SandboxState, NodeError> {
+        let e = self.entry(id)?;
+        let mut st = e.lock().await;
+        if st.end_at_ms != end_at_ms {
+            st.end_at_ms = end_at_ms;
+            self.host.save(id, &st)?;
+        }
+        Ok(st.clone())
+    }
+
+    /// Kills running sandboxes whose end time is `sandbox.end_grace_s` past: the master that
+    /// should have ended them is gone or cut off. Returns how many.
+    pub async fn end_overdue(&self) -> usize {
+        let grace = self.host.cfg.sandbox.end_grace_s;
+        if grace == 0 {
+            return 0;
+        }
+        let now = crate::template::now_ms();
+        let overdue: Vec<(String, u64)> = self
+            .entries()
+            .into_iter()
+            .filter_map(|e| {
+                let st = e.try_lock().ok()?;
+                let due = st.end_at_ms > 0
+                    && st.phase == Phase::Running
+                    && now > st.end_at_ms.saturating_add(grace * 1000);
+                due.then(|| (st.id.clone(), st.end_at_ms))
+            })
+            .collect();
+        let mut n = 0;
+        for (id, end) in overdue {
+            tracing::warn!(
+                id,
+                end_at_ms = end,
+                grace_s = grace,
+                "ending a sandbox its master did not end"
+            );
+            self.journal.event(
+                &id,
+                "warn",
+                "Sandbox ended by its node: its end time passed without word from the master",
+                &[],
+            );
+            match self.kill(&id).await {
+                Ok(true) => {
+                    n += 1;
+                    self.host
+                        .metrics
+                        .operations
+                        .with_label_values(&["end_overdue", "ok"])
+                        .inc();
+                }
+                Ok(false) => {}
+                Err(e) => tracing::error!(id, error = %e, "ending an overdue sandbox"),
+            }
+        }
+        n
     }
 
     /// PauseSandbox.

@@ -30,12 +30,14 @@ impl Node {
         *self.refiller.lock().unwrap_or_else(|p| p.into_inner()) = Some(h);
     }
 
-    /// One pass: failed sandboxes recorded, then every pool filled up to its target.
+    /// One pass: failed sandboxes recorded, overdue ones ended, then every pool filled up to
+    /// its target.
     pub async fn refill_once(&self) {
         if self.host.shutting_down() {
             return;
         }
         self.check_failures();
+        self.end_overdue().await;
         self.runtime.refill().await;
         self.update_gauges();
     }

@@ -83,6 +83,8 @@ pub struct Opts {
     pub max_sandboxes: u32,
     /// `network.switch = "none"`.
     pub no_switch: bool,
+    /// `sandbox.end_grace_s` (None: cubelet's default).
+    pub end_grace_s: Option<u64>,
 }
 
 /// Programs of the `mini` template (the defaults plus netcat and timeout for network tests).
@@ -124,7 +126,7 @@ xfs_loop_size_gib = 4
 max_sandboxes = {max}
 tmp_size_mib = 16
 ready_timeout_ms = 15000
-[cgroup]
+{end_grace}[cgroup]
 parent = "{cgroup_parent}"
 [pools]
 network = {net}
@@ -157,6 +159,10 @@ nft_table = "{nft_table}"
             },
             agent = stripped_agent(&root).display(),
             max = o.max_sandboxes,
+            end_grace = o
+                .end_grace_s
+                .map(|g| format!("end_grace_s = {g}\n"))
+                .unwrap_or_default(),
             net = o.network_pool,
             recycle = o.network_recycle.unwrap_or(o.network_pool),
             disks = o.disk_pool,

@@ -789,6 +789,7 @@ impl<L: Launcher> Container<L> {
             created_at_ms: crate::template::now_ms(),
             create_latency_us: 0,
             from_pool: true,
+            end_at_ms: 0,
             host_addr: None,
             runtime: self.launcher.new_state(),
         };
