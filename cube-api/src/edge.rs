@@ -460,6 +460,7 @@ async fn auto_resume(edge: &Edge, id: &str) -> Option<pb::SandboxInfo> {
                 sandbox_id: id.to_string(),
                 // The sandbox's own create timeout.
                 timeout_s: 0,
+                reboot: false,
             })
             .await;
         // Whatever happened, what the edge knew of this sandbox is stale.

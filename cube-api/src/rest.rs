@@ -334,9 +334,9 @@ fn detail_json(s: &pb::SandboxInfo, cfg: &ApiConfig) -> Value {
             network.insert("maskRequestHost".into(), json!(s.mask_request_host));
         }
         o.insert("network".into(), Value::Object(network));
-        // Every runtime's pause keeps memory (namespace and gvisor freeze; microvm saves it).
-        if public_state(&s.state) == "paused" {
-            o.insert("pauseMode".into(), json!("full"));
+        // What its pause kept: "full", or "filesystem" (it restarts on resume).
+        if public_state(&s.state) == "paused" && !s.pause_mode.is_empty() {
+            o.insert("pauseMode".into(), json!(s.pause_mode));
         }
     }
     v
@@ -367,12 +367,8 @@ fn create_request(
         ));
     }
     let auto_pause = b.bool("autoPause")?.unwrap_or(false);
-    if b.bool("autoPauseMemory")? == Some(false) && auto_pause {
-        return Err(unsupported(
-            "autoPauseMemory: false",
-            "a pause at the timeout keeps the sandbox's memory (filesystem-only pause is not implemented)",
-        ));
-    }
+    // Only with autoPause, as in E2B (the master refuses it with autoResume).
+    let auto_pause_filesystem = auto_pause && b.bool("autoPauseMemory")? == Some(false);
     let auto_resume = match b.object("autoResume")? {
         None => false,
         Some(mut r) => {
@@ -416,6 +412,7 @@ fn create_request(
         allow_internet,
         auto_pause,
         auto_resume,
+        auto_pause_filesystem,
         idempotency_key: String::new(),
         private_ports,
         mask_request_host,
@@ -628,15 +625,9 @@ async fn refresh(
     change_end(&st, team, id, d, true).await
 }
 
-/// `memory: false` asks for a filesystem-only pause or a reboot on resume.
-fn memory_kept(b: &mut Fields, what: &str) -> Result<(), ApiError> {
-    if b.bool("memory")? == Some(false) {
-        return Err(unsupported(
-            &format!("{what} with memory: false"),
-            "a paused sandbox always keeps its memory (filesystem-only pause and reboot are not implemented)",
-        ));
-    }
-    Ok(())
+/// `memory: false`: a filesystem-only pause, or a resume that starts the sandbox afresh.
+fn without_memory(b: &mut Fields) -> Result<bool, ApiError> {
+    Ok(b.bool("memory")? == Some(false))
 }
 
 async fn pause(
@@ -648,7 +639,7 @@ async fn pause(
     // Old SDKs send no body, new ones `{}` or `{"memory": ...}`.
     check_id(&id)?;
     let mut b = Fields::parse(&body, true)?;
-    memory_kept(&mut b, "pause")?;
+    let filesystem_only = without_memory(&mut b)?;
     // SDK `pause(strict=True)`: refused with 503, the sandbox running, while its agent does
     // not answer.
     let require_healthy_guest = b.bool("requireHealthyGuest")?.unwrap_or(false);
@@ -659,6 +650,7 @@ async fn pause(
             team_id: team.0.clone(),
             sandbox_id: id.clone(),
             require_healthy_guest,
+            filesystem_only,
         })
         .await;
     st.invalidate(&id);
@@ -675,7 +667,7 @@ async fn connect_inner(
     check_id(&id)?;
     let mut b = Fields::parse(body, true)?;
     let t = b.timeout(Some(st.cfg.default_timeout_v2_s))?;
-    memory_kept(&mut b, "connect")?;
+    let reboot = without_memory(&mut b)?;
     // The legacy resume's `autoPause` (SDK 2.0-2.5) only ever sends false.
     if b.bool("autoPause")? == Some(true) {
         return Err(unsupported(
@@ -692,6 +684,7 @@ async fn connect_inner(
             team_id: team.0,
             sandbox_id: id,
             timeout_s: t,
+            reboot,
         })
         .await?
         .into_inner();
@@ -946,10 +939,6 @@ mod tests {
             (
                 r#"{"templateID":"base","volumeMounts":[{"name":"v","path":"/v"}]}"#,
                 "volumeMounts",
-            ),
-            (
-                r#"{"templateID":"base","autoPause":true,"autoPauseMemory":false}"#,
-                "autoPauseMemory",
             ),
             (r#"{"templateID":"base","secure":false}"#, "secure"),
             (

@@ -70,6 +70,10 @@ pub struct SandboxRow {
     pub deny_out: String,
     /// E2B's dnsServers ([`crate::egress::Rules::encode_dns`]): NULL = not given.
     pub dns_servers: Option<String>,
+    /// While paused: `full` or `filesystem` (it restarts on resume); empty otherwise.
+    pub pause_mode: String,
+    /// 0/1: the pause at the timeout keeps only the filesystem (autoPauseMemory false).
+    pub auto_pause_filesystem: i64,
 }
 
 impl SandboxRow {
@@ -256,9 +260,9 @@ impl Db {
              agent_address, host_interface, access_token, envd_version, metadata, vcpus, \
              memory_mib, disk_mib, runtime, started_at_ms, end_at_ms, updated_at_ms, auto_pause, \
              auto_resume, timeout_s, internet, private_ports, mask_request_host, allow_out, \
-             deny_out, dns_servers) \
+             deny_out, dns_servers, pause_mode, auto_pause_filesystem) \
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, \
-             $20, $21, $22, $23, $24, $25, $26, $27, $28)",
+             $20, $21, $22, $23, $24, $25, $26, $27, $28, $29, $30)",
         )
         .bind(&r.id)
         .bind(&r.team_id)
@@ -288,6 +292,8 @@ impl Db {
         .bind(&r.allow_out)
         .bind(&r.deny_out)
         .bind(&r.dns_servers)
+        .bind(&r.pause_mode)
+        .bind(r.auto_pause_filesystem)
         .execute(&self.pool)
         .await?;
         Ok(())
@@ -444,6 +450,17 @@ impl Db {
         .bind(&r.id)
         .execute(&self.pool)
         .await?;
+        Ok(())
+    }
+
+    /// What the sandbox's pause kept (`full`, `filesystem`; empty once it runs again).
+    pub async fn set_pause_mode(&self, id: &str, mode: &str) -> Result<(), MasterError> {
+        sqlx::query("UPDATE sandboxes SET pause_mode = $1, updated_at_ms = $2 WHERE id = $3")
+            .bind(mode)
+            .bind(crate::now_ms())
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
         Ok(())
     }
 

@@ -52,6 +52,13 @@ pub fn to_info(ctl: &Controller, r: &SandboxRow) -> pb::SandboxInfo {
         deny_out: crate::egress::Rules::decode(&r.deny_out),
         dns_servers: crate::egress::Rules::decode_dns(r.dns_servers.as_deref())
             .map(|servers| pb::DnsServers { servers }),
+        // A sandbox paused before the mode was recorded kept its memory.
+        pause_mode: match (r.state.as_str(), r.pause_mode.as_str()) {
+            ("paused" | "pausing", "") => "full".into(),
+            ("paused" | "pausing", m) => m.into(),
+            _ => String::new(),
+        },
+        auto_pause_filesystem: r.auto_pause_filesystem == 1,
     }
 }
 
@@ -90,6 +97,7 @@ impl Master for MasterService {
                 allow_internet: r.allow_internet,
                 auto_pause: r.auto_pause,
                 auto_resume: r.auto_resume,
+                auto_pause_filesystem: r.auto_pause_filesystem,
                 idempotency_key: r.idempotency_key,
                 private_ports: r.private_ports,
                 mask_request_host: r.mask_request_host,
@@ -199,7 +207,12 @@ impl Master for MasterService {
         let r = req.into_inner();
         let row = self
             .ctl
-            .pause(&r.team_id, &r.sandbox_id, r.require_healthy_guest)
+            .pause_with(
+                &r.team_id,
+                &r.sandbox_id,
+                r.require_healthy_guest,
+                r.filesystem_only,
+            )
             .await?;
         Ok(Response::new(to_info(&self.ctl, &row)))
     }
@@ -211,7 +224,7 @@ impl Master for MasterService {
         let r = req.into_inner();
         let (row, resumed) = self
             .ctl
-            .connect(&r.team_id, &r.sandbox_id, r.timeout_s)
+            .connect_with(&r.team_id, &r.sandbox_id, r.timeout_s, r.reboot)
             .await?;
         Ok(Response::new(pb::ConnectSandboxResponse {
             sandbox: Some(to_info(&self.ctl, &row)),

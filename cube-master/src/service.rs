@@ -28,6 +28,8 @@ pub struct CreateParams {
     pub auto_pause: bool,
     /// Traffic through the edge resumes it when paused; needs `auto_pause`.
     pub auto_resume: bool,
+    /// The pause at the timeout keeps only the filesystem; not with `auto_resume`.
+    pub auto_pause_filesystem: bool,
     /// Empty = none. A create repeated with the same key (per team) answers with the first
     /// one's sandbox.
     pub idempotency_key: String,
@@ -82,6 +84,9 @@ impl CreateParams {
             for e in d {
                 field(e.as_bytes());
             }
+        }
+        if self.auto_pause_filesystem {
+            field(b"auto_pause_filesystem");
         }
         hex::encode(h.finalize())
     }
@@ -256,6 +261,11 @@ impl Controller {
                 "autoResume needs autoPause: only a sandbox paused at its timeout can be resumed by traffic".into(),
             ));
         }
+        if p.auto_resume && p.auto_pause_filesystem {
+            return Err(MasterError::InvalidArgument(
+                "autoResume cannot be combined with a filesystem-only auto-pause (autoPauseMemory false): such a sandbox restarts on resume, which traffic must not do".into(),
+            ));
+        }
         let id = random_id();
         if !p.idempotency_key.is_empty() {
             if let Some(row) = self.idempotent_replay(&p, &id).await? {
@@ -418,6 +428,8 @@ impl Controller {
             allow_out: crate::egress::Rules::encode(&p.egress.allow_out),
             deny_out: crate::egress::Rules::encode(&p.egress.deny_out),
             dns_servers: p.egress.encode_dns(),
+            pause_mode: String::new(),
+            auto_pause_filesystem: i64::from(p.auto_pause_filesystem),
         };
         row.access_token = crate::token::stored(&self.tokens.token(&row.id));
         let lock = self.lock_for(&row.id);
@@ -813,18 +825,32 @@ impl Controller {
         }
     }
 
-    /// A pause; `require_healthy_guest` first asks the node whether the sandbox's agent answers
-    /// and refuses (Unavailable, the sandbox keeps running) when it does not.
+    /// A pause that keeps memory; see [`Controller::pause_with`].
     pub async fn pause(
         &self,
         team: &str,
         id: &str,
         require_healthy_guest: bool,
     ) -> Result<SandboxRow, MasterError> {
+        self.pause_with(team, id, require_healthy_guest, false)
+            .await
+    }
+
+    /// A pause; `require_healthy_guest` (implied by `filesystem_only`: the sandbox's writes
+    /// are flushed through it) first asks the node whether the sandbox's agent answers and
+    /// refuses (Unavailable, the sandbox keeps running) when it does not. `filesystem_only`:
+    /// its processes end, and a resume starts it afresh from its disk.
+    pub async fn pause_with(
+        &self,
+        team: &str,
+        id: &str,
+        require_healthy_guest: bool,
+        filesystem_only: bool,
+    ) -> Result<SandboxRow, MasterError> {
         let lock = self.lock_for(id);
         let _g = lock.lock().await;
         let row = self.visible(team, id).await?;
-        if require_healthy_guest && row.state()? == SandboxState::Running {
+        if (require_healthy_guest || filesystem_only) && row.state()? == SandboxState::Running {
             let n = self.node_of(&row)?;
             let mut c = n.client.clone();
             let h = c
@@ -844,7 +870,8 @@ impl Controller {
                 )));
             }
         }
-        self.pause_locked(team, row, "paused").await
+        self.pause_locked(team, row, "paused", filesystem_only)
+            .await
     }
 
     /// The pause of `row`, whose lock the caller holds; `reason` is recorded with the state.
@@ -853,6 +880,7 @@ impl Controller {
         team: &str,
         row: SandboxRow,
         reason: &str,
+        filesystem_only: bool,
     ) -> Result<SandboxRow, MasterError> {
         let id = row.id.as_str();
         match row.state()? {
@@ -877,13 +905,20 @@ impl Controller {
             )
             .await?;
         // A paused sandbox's timeout no longer runs: it is kept for the retention. Set with
-        // `pausing` (listed as paused), as a pause to disk can take a while.
+        // `pausing` (listed as paused), as a pause to disk can take a while, as is the mode.
         self.set_end(&row, self.paused_until()).await?;
+        let mode = if filesystem_only {
+            "filesystem"
+        } else {
+            "full"
+        };
+        self.db.set_pause_mode(id, mode).await?;
         let n = self.node_of(&row)?;
         let mut c = n.client.clone();
         let r = c
-            .pause_sandbox(node::SandboxRef {
+            .pause_sandbox(node::PauseSandboxRequest {
                 sandbox_id: id.to_string(),
+                filesystem_only,
             })
             .await;
         match r {
@@ -895,6 +930,7 @@ impl Controller {
             }
             Err(s) => {
                 self.set_end(&row, row.end_at_ms).await?;
+                self.db.set_pause_mode(id, "").await?;
                 self.db
                     .transition(
                         id,
@@ -918,9 +954,27 @@ impl Controller {
         id: &str,
         t: u64,
     ) -> Result<(SandboxRow, bool), MasterError> {
+        self.connect_with(team, id, t, false).await
+    }
+
+    /// [`Controller::connect`]; with `reboot` a paused sandbox is started afresh from its disk
+    /// (its memory dropped), as one paused without memory always is. A resume by traffic
+    /// (`t` 0) does not restart a sandbox paused without memory: it is refused.
+    pub async fn connect_with(
+        &self,
+        team: &str,
+        id: &str,
+        t: u64,
+        reboot: bool,
+    ) -> Result<(SandboxRow, bool), MasterError> {
         let lock = self.lock_for(id);
         let _g = lock.lock().await;
         let mut row = self.visible(team, id).await?;
+        if t == 0 && row.pause_mode == "filesystem" && row.state()? == SandboxState::Paused {
+            return Err(MasterError::FailedPrecondition(format!(
+                "Sandbox \"{id}\" was paused without its memory: traffic does not restart it; resume it with connect"
+            )));
+        }
         // 0: a resume by traffic gives the sandbox its own create timeout again.
         let t = if t == 0 {
             u64::try_from(row.timeout_s).unwrap_or(0).max(1)
@@ -950,12 +1004,14 @@ impl Controller {
                 let n = self.node_of(&row)?;
                 let mut c = n.client.clone();
                 match c
-                    .resume_sandbox(node::SandboxRef {
+                    .resume_sandbox(node::ResumeSandboxRequest {
                         sandbox_id: id.to_string(),
+                        reboot,
                     })
                     .await
                 {
                     Ok(_) => {
+                        self.db.set_pause_mode(id, "").await?;
                         self.set_end(&row, new_end).await?;
                         self.db
                             .transition(
@@ -1065,7 +1121,8 @@ impl Controller {
                 return Ok(false);
             }
             if st == SandboxState::Running && row.auto_pause == 1 {
-                match self.pause_locked("", row, "timeout (auto-pause)").await {
+                let fs = row.auto_pause_filesystem == 1;
+                match self.pause_locked("", row, "timeout (auto-pause)", fs).await {
                     Ok(_) => {
                         self.metrics.auto_paused.inc();
                         tracing::info!(sandbox = %id, "sandbox paused at its timeout");

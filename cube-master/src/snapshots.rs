@@ -415,6 +415,7 @@ impl Snapshots<'_> {
                 allow_internet: src.internet(),
                 auto_pause: src.auto_pause == 1,
                 auto_resume: src.auto_resume == 1,
+                auto_pause_filesystem: src.auto_pause_filesystem == 1,
                 idempotency_key: String::new(),
                 private_ports: src.private_ports == 1,
                 mask_request_host: src.mask_request_host.clone(),

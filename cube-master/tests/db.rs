@@ -40,6 +40,8 @@ fn row(id: &str) -> SandboxRow {
         allow_out: String::new(),
         deny_out: String::new(),
         dns_servers: None,
+        pause_mode: String::new(),
+        auto_pause_filesystem: 0,
     }
 }
 

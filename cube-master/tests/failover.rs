@@ -66,10 +66,10 @@ impl Node for Handle {
         self.kills.fetch_add(1, Ordering::SeqCst);
         Ok(Response::new(pb::KillSandboxResponse { existed: true }))
     }
-    async fn pause_sandbox(&self, _r: Request<pb::SandboxRef>) -> R<pb::Sandbox> {
+    async fn pause_sandbox(&self, _r: Request<pb::PauseSandboxRequest>) -> R<pb::Sandbox> {
         Err(Status::unimplemented("fake"))
     }
-    async fn resume_sandbox(&self, _r: Request<pb::SandboxRef>) -> R<pb::Sandbox> {
+    async fn resume_sandbox(&self, _r: Request<pb::ResumeSandboxRequest>) -> R<pb::Sandbox> {
         Err(Status::unimplemented("fake"))
     }
     async fn snapshot_sandbox(

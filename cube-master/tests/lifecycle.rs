@@ -99,6 +99,75 @@ async fn auto_pause_at_the_timeout(url: String) {
 }
 both_backends!(auto_pause, super::auto_pause_at_the_timeout);
 
+/// E2B's `memory: false`: a pause that keeps only the filesystem (asked for, or at the
+/// timeout with autoPauseMemory false), reported as such; traffic does not restart such a
+/// sandbox, a connect does; a connect with a reboot drops a full pause's memory.
+async fn filesystem_only_pauses(url: String) {
+    let node = FakeNode::new("fs");
+    let ctl = controller_on(&url, &node).await;
+    let info_mode =
+        |r: &cube_master::db::SandboxRow| cube_master::server::to_info(&ctl, r).pause_mode;
+    let a = ctl.create(params(600)).await.unwrap();
+    let p = ctl.pause_with("t", &a.id, false, true).await.unwrap();
+    assert_eq!(
+        (p.state.as_str(), p.pause_mode.as_str()),
+        ("paused", "filesystem")
+    );
+    assert_eq!(info_mode(&p), "filesystem");
+    assert_eq!(node.fs_pauses.load(Ordering::SeqCst), 1);
+    // Traffic (a connect with timeout 0) does not restart it; a connect does.
+    let e = ctl.connect("", &a.id, 0).await.unwrap_err();
+    assert!(
+        matches!(&e, MasterError::FailedPrecondition(m) if m.contains("without its memory")),
+        "{e}"
+    );
+    let (r, resumed) = ctl.connect("t", &a.id, 60).await.unwrap();
+    assert!(resumed);
+    assert_eq!((r.state.as_str(), r.pause_mode.as_str()), ("running", ""));
+    assert_eq!(info_mode(&r), "");
+    // A full pause, then a connect that asks for a reboot.
+    let p = ctl.pause("t", &a.id, false).await.unwrap();
+    assert_eq!(info_mode(&p), "full");
+    ctl.connect_with("t", &a.id, 60, true).await.unwrap();
+    assert_eq!(node.reboots.load(Ordering::SeqCst), 1);
+    // A reboot asked of a running sandbox changes nothing.
+    let (_, resumed) = ctl.connect_with("t", &a.id, 60, true).await.unwrap();
+    assert!(!resumed);
+    assert_eq!(node.reboots.load(Ordering::SeqCst), 1);
+    // At the timeout, with autoPauseMemory false.
+    let b = ctl
+        .create(CreateParams {
+            auto_pause: true,
+            auto_pause_filesystem: true,
+            ..params(600)
+        })
+        .await
+        .unwrap();
+    ctl.db
+        .set_end(&b.id, cube_master::now_ms() - 1)
+        .await
+        .unwrap();
+    assert_eq!(ctl.reap_once().await.unwrap(), 1);
+    let b = ctl.get("t", &b.id).await.unwrap();
+    assert_eq!(
+        (b.state.as_str(), b.pause_mode.as_str()),
+        ("paused", "filesystem")
+    );
+    assert_eq!(node.fs_pauses.load(Ordering::SeqCst), 2);
+    // Not with autoResume: traffic could never restart it.
+    let e = ctl
+        .create(CreateParams {
+            auto_pause: true,
+            auto_resume: true,
+            auto_pause_filesystem: true,
+            ..params(60)
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(e, MasterError::InvalidArgument(_)), "{e}");
+}
+both_backends!(filesystem_only_pause, super::filesystem_only_pauses);
+
 async fn refresh_never_shortens(url: String) {
     let node = FakeNode::new("rf");
     let ctl = controller_on(&url, &node).await;

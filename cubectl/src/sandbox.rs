@@ -30,13 +30,21 @@ pub enum SandboxCmd {
     /// Kills a sandbox.
     Kill { id: String },
     /// Pauses a running sandbox.
-    Pause { id: String },
+    Pause {
+        id: String,
+        /// Keep only its filesystem: its processes end, and a resume starts it afresh.
+        #[arg(long)]
+        filesystem_only: bool,
+    },
     /// Resumes a paused sandbox (or extends a running one's timeout).
     Resume {
         id: String,
         /// New timeout from now, in seconds.
         #[arg(long, default_value_t = 300)]
         timeout: u64,
+        /// Start it afresh from its disk, its memory dropped.
+        #[arg(long)]
+        reboot: bool,
     },
     /// Snapshots a sandbox into a template that new sandboxes can start from.
     Snapshot {
@@ -204,12 +212,16 @@ pub async fn run(cmd: SandboxCmd, m: &mut Master, as_json: bool) -> anyhow::Resu
                 println!("killed {id}");
             }
         }
-        SandboxCmd::Pause { id } => {
+        SandboxCmd::Pause {
+            id,
+            filesystem_only,
+        } => {
             let s = m
                 .pause_sandbox(pb::PauseSandboxRequest {
                     team_id: String::new(),
                     sandbox_id: id.clone(),
                     require_healthy_guest: false,
+                    filesystem_only,
                 })
                 .await
                 .ctx(format!("pausing sandbox {id}"))?;
@@ -219,7 +231,11 @@ pub async fn run(cmd: SandboxCmd, m: &mut Master, as_json: bool) -> anyhow::Resu
                 println!("{id} {}", s.state);
             }
         }
-        SandboxCmd::Resume { id, timeout } => {
+        SandboxCmd::Resume {
+            id,
+            timeout,
+            reboot,
+        } => {
             if timeout == 0 {
                 anyhow::bail!("--timeout must be at least 1 second");
             }
@@ -228,6 +244,7 @@ pub async fn run(cmd: SandboxCmd, m: &mut Master, as_json: bool) -> anyhow::Resu
                     team_id: String::new(),
                     sandbox_id: id.clone(),
                     timeout_s: timeout,
+                    reboot,
                 })
                 .await
                 .ctx(format!("resuming sandbox {id}"))?;

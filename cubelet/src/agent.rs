@@ -50,6 +50,25 @@ pub struct InitRequest {
     pub nameservers: Vec<String>,
 }
 
+impl InitRequest {
+    /// The `/init` of `init`, timestamped now. `clear_token`: an agent restored from another
+    /// sandbox's memory holds that one's token, which an init without a token of its own must
+    /// drop (`""` clears).
+    pub fn of(init: &crate::sandbox::InitBody, clear_token: bool) -> InitRequest {
+        InitRequest {
+            env_vars: init.env_vars.clone(),
+            access_token: init
+                .access_token
+                .clone()
+                .or_else(|| clear_token.then(String::new)),
+            timestamp: rfc3339_now(),
+            default_user: init.default_user.clone(),
+            default_workdir: init.default_workdir.clone(),
+            nameservers: init.nameservers.clone(),
+        }
+    }
+}
+
 /// RFC 3339 UTC timestamp with nanoseconds, computed without a date library.
 pub fn rfc3339_now() -> String {
     let d = std::time::SystemTime::now()

@@ -340,17 +340,19 @@ impl pb::node_server::Node for NodeService {
 
     async fn pause_sandbox(
         &self,
-        req: Request<pb::SandboxRef>,
+        req: Request<pb::PauseSandboxRequest>,
     ) -> Result<Response<pb::Sandbox>, Status> {
-        let st = self.node.pause(&req.into_inner().sandbox_id).await?;
+        let r = req.into_inner();
+        let st = self.node.pause(&r.sandbox_id, !r.filesystem_only).await?;
         Ok(Response::new(sandbox_to(&self.node, &st)))
     }
 
     async fn resume_sandbox(
         &self,
-        req: Request<pb::SandboxRef>,
+        req: Request<pb::ResumeSandboxRequest>,
     ) -> Result<Response<pb::Sandbox>, Status> {
-        let st = self.node.resume(&req.into_inner().sandbox_id).await?;
+        let r = req.into_inner();
+        let st = self.node.resume(&r.sandbox_id, r.reboot).await?;
         Ok(Response::new(sandbox_to(&self.node, &st)))
     }
 

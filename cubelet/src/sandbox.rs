@@ -76,6 +76,14 @@ pub struct SandboxState {
     /// sandbox `sandbox.end_grace_s` after it.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub end_at_ms: u64,
+    /// Paused without memory: no process of it is left, and a resume starts it afresh from
+    /// its disk.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub stopped: bool,
+    /// What a container runtime's agent was initialised with, for a start afresh (a microVM
+    /// keeps it in its own part).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub init: Option<InitBody>,
     /// The sandbox's node-local host address (cube-vs); absent without a switch.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host_addr: Option<std::net::Ipv4Addr>,
@@ -271,6 +279,8 @@ mod tests {
             create_latency_us: 2,
             from_pool: false,
             end_at_ms: 0,
+            stopped: false,
+            init: None,
             host_addr: None,
             runtime,
         }

@@ -133,8 +133,9 @@ async fn sandbox_lifecycle_commands_files_pause_resume_kill() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let paused = cl
-        .pause_sandbox(pb::SandboxRef {
+        .pause_sandbox(pb::PauseSandboxRequest {
             sandbox_id: "life1".into(),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -149,14 +150,16 @@ async fn sandbox_lifecycle_commands_files_pause_resume_kill() {
         "a frozen sandbox kept running"
     );
     let e = cl
-        .pause_sandbox(pb::SandboxRef {
+        .pause_sandbox(pb::PauseSandboxRequest {
             sandbox_id: "life1".into(),
+            ..Default::default()
         })
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::FailedPrecondition);
-    cl.resume_sandbox(pb::SandboxRef {
+    cl.resume_sandbox(pb::ResumeSandboxRequest {
         sandbox_id: "life1".into(),
+        ..Default::default()
     })
     .await
     .unwrap();
@@ -390,13 +393,15 @@ async fn bad_requests_get_clear_grpc_errors() {
         })
         .await
         .unwrap_err(),
-        cl.pause_sandbox(pb::SandboxRef {
+        cl.pause_sandbox(pb::PauseSandboxRequest {
             sandbox_id: "nope".into(),
+            ..Default::default()
         })
         .await
         .unwrap_err(),
-        cl.resume_sandbox(pb::SandboxRef {
+        cl.resume_sandbox(pb::ResumeSandboxRequest {
             sandbox_id: "nope".into(),
+            ..Default::default()
         })
         .await
         .unwrap_err(),
@@ -404,8 +409,9 @@ async fn bad_requests_get_clear_grpc_errors() {
         assert_eq!(e.code(), Code::NotFound);
     }
     let e = cl
-        .resume_sandbox(pb::SandboxRef {
+        .resume_sandbox(pb::ResumeSandboxRequest {
             sandbox_id: "a1".into(),
+            ..Default::default()
         })
         .await
         .unwrap_err();
@@ -482,11 +488,32 @@ async fn restart_readopts(runtime: &'static str) {
         .into_inner();
     // On gVisor, /tmp is the Sentry's tmpfs: only memory holds it.
     sh(&paused, "echo in-memory > /tmp/m").await;
-    cl.pause_sandbox(pb::SandboxRef {
+    cl.pause_sandbox(pb::PauseSandboxRequest {
         sandbox_id: "keep2".into(),
+        ..Default::default()
     })
     .await
     .unwrap();
+    // Paused without memory: its processes end, its disk stays; it restarts on resume.
+    let fresh = cl
+        .create_sandbox(create_req("keep3"))
+        .await
+        .unwrap()
+        .into_inner();
+    sh(
+        &fresh,
+        "echo in-memory > /tmp/m; echo on-disk > ~/f; sleep 600 &",
+    )
+    .await;
+    cl.pause_sandbox(pb::PauseSandboxRequest {
+        sandbox_id: "keep3".into(),
+        filesystem_only: true,
+    })
+    .await
+    .unwrap();
+    let fs = state_of(&c, "keep3");
+    assert!(fs.stopped && fs.pid == 0, "{fs:?}");
+    assert!(fs.runtime.paused_image().is_none());
     let ps = state_of(&c, "keep2");
     if runtime == "gvisor" {
         // Paused to disk: no host process, the checkpoint image in its place.
@@ -537,7 +564,7 @@ async fn restart_readopts(runtime: &'static str) {
         .unwrap()
         .into_inner();
     let ids: Vec<&str> = l.sandboxes.iter().map(|s| s.sandbox_id.as_str()).collect();
-    assert_eq!(ids, vec!["keep1", "keep2"], "{}", c.log());
+    assert_eq!(ids, vec!["keep1", "keep2", "keep3"], "{}", c.log());
     assert!(l.sandboxes.iter().all(|s| s.runtime == runtime), "{l:?}");
     assert!(
         !half.exists() && !bad.exists(),
@@ -596,13 +623,46 @@ async fn restart_readopts(runtime: &'static str) {
         .unwrap()
         .into_inner();
     assert_eq!(g.state, pb::SandboxState::Paused as i32);
-    cl.resume_sandbox(pb::SandboxRef {
+    cl.resume_sandbox(pb::ResumeSandboxRequest {
         sandbox_id: "keep2".into(),
+        ..Default::default()
     })
     .await
     .unwrap();
     assert_eq!(sh(&paused, "echo ok").await.1, "ok\n");
     assert_eq!(sh(&paused, "cat /tmp/m").await.1, "in-memory\n");
+    // Started afresh from its disk, initialised as at its create (its env var is back).
+    cl.resume_sandbox(pb::ResumeSandboxRequest {
+        sandbox_id: "keep3".into(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let (_, out) = sh(
+        &fresh,
+        "cat ~/f; cat /tmp/m 2>/dev/null || echo no-tmp; echo $FOO",
+    )
+    .await;
+    assert_eq!(out, "on-disk\nno-tmp\nbar\n");
+    assert!(!state_of(&c, "keep3").stopped);
+    // A full pause resumed with a reboot restarts too: its memory is dropped.
+    cl.pause_sandbox(pb::PauseSandboxRequest {
+        sandbox_id: "keep2".into(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    cl.resume_sandbox(pb::ResumeSandboxRequest {
+        sandbox_id: "keep2".into(),
+        reboot: true,
+    })
+    .await
+    .unwrap();
+    let (_, out) = sh(&paused, "cat /tmp/m 2>/dev/null || echo no-tmp").await;
+    assert_eq!(out, "no-tmp\n");
+    if runtime == "gvisor" {
+        assert_eq!(state_of(&c, "keep2").runtime.paused_image(), None);
+    }
     if runtime == "gvisor" {
         assert_eq!(state_of(&c, "keep2").runtime.paused_image(), None);
     }
@@ -613,6 +673,11 @@ async fn restart_readopts(runtime: &'static str) {
     .unwrap();
     cl.kill_sandbox(pb::SandboxRef {
         sandbox_id: "keep2".into(),
+    })
+    .await
+    .unwrap();
+    cl.kill_sandbox(pb::SandboxRef {
+        sandbox_id: "keep3".into(),
     })
     .await
     .unwrap();
@@ -802,8 +867,9 @@ async fn the_node_ends_sandboxes_their_master_left_past_their_end() {
         assert_eq!(sb.end_at_ms, now + 600_000);
         ids.push(sb);
     }
-    cl.pause_sandbox(pb::SandboxRef {
+    cl.pause_sandbox(pb::PauseSandboxRequest {
         sandbox_id: "end3".into(),
+        ..Default::default()
     })
     .await
     .unwrap();

@@ -521,11 +521,24 @@ async fn microvm_sandboxes_restore_pause_to_disk_fork_fail_and_survive_a_restart
         .unwrap();
     assert_eq!(limit, (64 + 128) << 20, "{limit_file}");
 
+    // A filesystem-only pause is not implemented for microVMs: refused, the VM keeps running.
+    let fs = c
+        .pause_sandbox(pb::PauseSandboxRequest {
+            sandbox_id: "mva".into(),
+            filesystem_only: true,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(fs.code(), tonic::Code::FailedPrecondition, "{fs:?}");
+    assert!(fs.message().contains("memory: false"), "{fs:?}");
+    assert_eq!(checkpoints(&mut sa).0, ShimState::Running);
+
     // Pause to disk releases the guest's memory; resume brings it back on the same node,
     // and the guest asks for (and gets) a fresh init.
     let p = c
-        .pause_sandbox(pb::SandboxRef {
+        .pause_sandbox(pb::PauseSandboxRequest {
             sandbox_id: "mva".into(),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -535,14 +548,24 @@ async fn microvm_sandboxes_restore_pause_to_disk_fork_fail_and_survive_a_restart
     assert_eq!(state, ShimState::PausedToDisk);
     assert_eq!(stats.guest_rss_kib, 0, "{stats:?}");
     let again = c
-        .pause_sandbox(pb::SandboxRef {
+        .pause_sandbox(pb::PauseSandboxRequest {
             sandbox_id: "mva".into(),
+            ..Default::default()
         })
         .await;
     assert_eq!(again.unwrap_err().code(), tonic::Code::FailedPrecondition);
-    let r = c
-        .resume_sandbox(pb::SandboxRef {
+    let reboot = c
+        .resume_sandbox(pb::ResumeSandboxRequest {
             sandbox_id: "mva".into(),
+            reboot: true,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(reboot.code(), tonic::Code::FailedPrecondition, "{reboot:?}");
+    let r = c
+        .resume_sandbox(pb::ResumeSandboxRequest {
+            sandbox_id: "mva".into(),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -633,13 +656,15 @@ async fn microvm_sandboxes_restore_pause_to_disk_fork_fail_and_survive_a_restart
         Reply::Pong { pid: p2, .. } => assert_eq!(p2, pid, "same shim process"),
         r => panic!("{r:?}"),
     }
-    c.pause_sandbox(pb::SandboxRef {
+    c.pause_sandbox(pb::PauseSandboxRequest {
         sandbox_id: "mva".into(),
+        ..Default::default()
     })
     .await
     .unwrap();
-    c.resume_sandbox(pb::SandboxRef {
+    c.resume_sandbox(pb::ResumeSandboxRequest {
         sandbox_id: "mva".into(),
+        ..Default::default()
     })
     .await
     .unwrap();

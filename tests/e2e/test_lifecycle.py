@@ -15,7 +15,7 @@ import pytest
 from e2b import Sandbox, SandboxQuery, SandboxState
 from e2b.exceptions import SandboxException, ServiceBusyException
 
-from conftest import TEMPLATE
+from conftest import PROCESS_NAMES, TEMPLATE
 from test_sdk import api, live_ids
 
 
@@ -193,9 +193,8 @@ def test_started_after_filters_the_listing(cube):
 @pytest.mark.parametrize("opts,named", [
     ({"network": {"egress_proxy": {"address": "127.0.0.1:1080"}}}, "network.egressProxy"),
     ({"network": {"https_ports": [8443]}}, "network.httpsPorts"),
-    ({"lifecycle": {"on_timeout": {"action": "pause", "mode": "filesystem"}}}, "autoPauseMemory"),
     ({"mcp": {"github": {"githubPersonalAccessToken": "x"}}}, "mcp"),
-], ids=["egressProxy", "httpsPorts", "autoPauseMemory", "mcp"])
+], ids=["egressProxy", "httpsPorts", "mcp"])
 def test_options_cube_does_not_implement_are_refused_by_name(cube, opts, named):
     before = live_ids(cube)
     with pytest.raises(SandboxException) as e:
@@ -217,18 +216,12 @@ def test_unknown_and_unimplemented_request_fields_are_refused(cube):
         _, d, _ = api(cube, "GET", f"/sandboxes/{sbx.sandbox_id}")
         assert d["allowInternetAccess"] is False
         assert d["lifecycle"] == {"autoResume": False, "onTimeout": "kill"}
-        # A filesystem-only pause is not implemented: refused, and the sandbox keeps running.
-        with pytest.raises(SandboxException) as e:
-            sbx.pause(mode="filesystem")
-        assert "400" in str(e.value) and "memory: false" in str(e.value)
         st, body, _ = api(cube, "POST", f"/sandboxes/{sbx.sandbox_id}/pause", {"x": 1})
         assert st == 400 and "x" in body["message"]
         assert Sandbox.get_info(sbx.sandbox_id).state.value == "running"
-        sbx.pause()
-        st, body, _ = api(cube, "POST", f"/v2/sandboxes/{sbx.sandbox_id}/connect",
-                          {"timeout": 60, "memory": False})
-        assert st == 400 and "memory: false" in body["message"], body
-        assert Sandbox.get_info(sbx.sandbox_id).state.value == "paused"
+        st, body, _ = api(cube, "POST", f"/sandboxes/{sbx.sandbox_id}/pause", {"memory": "no"})
+        assert st == 400 and "memory" in body["message"], body
+        assert Sandbox.get_info(sbx.sandbox_id).state.value == "running"
         st, body, _ = api(cube, "POST", f"/sandboxes/{sbx.sandbox_id}/timeout", {"timeout": 60, "y": 2})
         assert st == 400 and "y" in body["message"]
     finally:
@@ -293,3 +286,81 @@ def test_v2_fork_route(cube):
         assert st == 400 and "z" in body["message"]
     finally:
         sbx.kill()
+
+
+def sleeping(sbx):
+    """Whether a `sleep` runs in the sandbox (by name: pids start again in a restarted one)."""
+    return "sleep" in sbx.commands.run(PROCESS_NAMES).stdout.split()
+
+
+def test_a_filesystem_only_pause_restarts_the_sandbox_from_its_disk(cube):
+    """`pause(mode="filesystem")` (E2B's memory: false): the sandbox's processes end and only
+    its disk is kept; it is reported so, traffic does not restart it, and `connect` starts it
+    afresh: its files are there, its processes and what only memory held (/tmp) are not, and
+    it is initialised as at its create (env vars, the SDK's access token)."""
+    sbx = Sandbox.create(TEMPLATE, timeout=300, envs={"CUBE_WHO": "kept"},
+                         lifecycle={"on_timeout": "pause"})
+    try:
+        sbx.files.write("/home/user/on-disk.txt", "kept")
+        sbx.commands.run("echo only-in-memory > /tmp/mem.txt")
+        sbx.commands.run("sleep 900", background=True)
+        assert sleeping(sbx)
+        assert sbx.pause(mode="filesystem") is True
+        assert Sandbox.get_info(sbx.sandbox_id).state.value == "paused"
+        st, d, _ = api(cube, "GET", f"/sandboxes/{sbx.sandbox_id}")
+        assert st == 200 and d["pauseMode"] == "filesystem", d
+        # Traffic through the edge does not restart it.
+        assert edge_health(cube, sbx.sandbox_id) == 502
+        assert Sandbox.get_info(sbx.sandbox_id).state.value == "paused"
+        back = Sandbox.connect(sbx.sandbox_id, timeout=120)
+        assert Sandbox.get_info(sbx.sandbox_id).state.value == "running"
+        assert back.files.read("/home/user/on-disk.txt") == "kept"
+        r = back.commands.run("cat /tmp/mem.txt 2>/dev/null || echo no-tmp; echo $CUBE_WHO")
+        assert r.stdout == "no-tmp\nkept\n", r.stdout
+        assert not sleeping(back)
+        _, d, _ = api(cube, "GET", f"/sandboxes/{sbx.sandbox_id}")
+        assert "pauseMode" not in d, d
+    finally:
+        sbx.kill()
+
+
+def test_connect_with_a_reboot_drops_a_full_pause_s_memory(cube):
+    sbx = Sandbox.create(TEMPLATE, timeout=300)
+    try:
+        sbx.files.write("/home/user/on-disk.txt", "kept")
+        sbx.commands.run("sleep 900", background=True)
+        assert sleeping(sbx)
+        sbx.pause()
+        _, d, _ = api(cube, "GET", f"/sandboxes/{sbx.sandbox_id}")
+        assert d["pauseMode"] == "full", d
+        back = Sandbox.connect(sbx.sandbox_id, timeout=120, on_resume="reboot")
+        assert back.files.read("/home/user/on-disk.txt") == "kept"
+        assert not sleeping(back)
+        # On a running sandbox a reboot changes nothing.
+        back.commands.run("sleep 900", background=True)
+        again = Sandbox.connect(sbx.sandbox_id, timeout=120, on_resume="reboot")
+        assert sleeping(again)
+    finally:
+        sbx.kill()
+
+
+def test_auto_pause_without_memory_at_the_timeout(cube):
+    sbx = Sandbox.create(TEMPLATE, timeout=3,
+                         lifecycle={"on_timeout": {"action": "pause", "mode": "filesystem"}})
+    try:
+        sbx.files.write("/home/user/on-disk.txt", "kept")
+        sbx.commands.run("sleep 900", background=True)
+        assert sleeping(sbx)
+        wait_state(sbx.sandbox_id, "paused", timeout=60)
+        _, d, _ = api(cube, "GET", f"/sandboxes/{sbx.sandbox_id}")
+        assert d["pauseMode"] == "filesystem", d
+        back = Sandbox.connect(sbx.sandbox_id, timeout=120)
+        assert back.files.read("/home/user/on-disk.txt") == "kept"
+        assert not sleeping(back)
+    finally:
+        sbx.kill()
+    # Not with autoResume: traffic would have to restart it.
+    st, body, _ = api(cube, "POST", "/sandboxes", {"templateID": TEMPLATE, "timeout": 60,
+                                                   "autoPause": True, "autoPauseMemory": False,
+                                                   "autoResume": {"enabled": True}})
+    assert st == 400 and "autoPauseMemory" in body["message"], body

@@ -171,14 +171,16 @@ async fn run_in(o: &Opts, root: &Path, log: &Path) -> anyhow::Result<()> {
             // Pause to disk / resume on a few of them.
             if i < 20 {
                 let t = Instant::now();
-                cl.pause_sandbox(pb::SandboxRef {
+                cl.pause_sandbox(pb::PauseSandboxRequest {
                     sandbox_id: id.clone(),
+                    ..Default::default()
                 })
                 .await?;
                 pause_ms.push(t.elapsed().as_secs_f64() * 1e3);
                 let t = Instant::now();
-                cl.resume_sandbox(pb::SandboxRef {
+                cl.resume_sandbox(pb::ResumeSandboxRequest {
                     sandbox_id: id.clone(),
+                    ..Default::default()
                 })
                 .await?;
                 resume_ms.push(t.elapsed().as_secs_f64() * 1e3);

@@ -150,6 +150,9 @@ pub struct FakeNode {
     pub ends: Mutex<BTreeMap<String, u64>>,
     pub creates: AtomicU32,
     pub pauses: AtomicU32,
+    /// Pauses that asked for the filesystem only, and resumes that asked for a reboot.
+    pub fs_pauses: AtomicU32,
+    pub reboots: AtomicU32,
     pub kills: AtomicU32,
     /// The egress each sandbox's switch has: (internet, allow CIDRs, deny CIDRs).
     pub egress: Mutex<BTreeMap<String, Egress>>,
@@ -233,9 +236,13 @@ impl Node for Handle {
             .is_some();
         Ok(Response::new(pb::KillSandboxResponse { existed }))
     }
-    async fn pause_sandbox(&self, r: Request<pb::SandboxRef>) -> R<pb::Sandbox> {
+    async fn pause_sandbox(&self, r: Request<pb::PauseSandboxRequest>) -> R<pb::Sandbox> {
         self.0.pauses.fetch_add(1, Ordering::SeqCst);
-        let id = r.into_inner().sandbox_id;
+        let r = r.into_inner();
+        if r.filesystem_only {
+            self.0.fs_pauses.fetch_add(1, Ordering::SeqCst);
+        }
+        let id = r.sandbox_id;
         let mut m = self.0.sandboxes.lock().unwrap();
         match m.get_mut(&id) {
             Some(s) => {
@@ -245,8 +252,12 @@ impl Node for Handle {
             None => Err(Status::not_found("no such sandbox")),
         }
     }
-    async fn resume_sandbox(&self, r: Request<pb::SandboxRef>) -> R<pb::Sandbox> {
-        let id = r.into_inner().sandbox_id;
+    async fn resume_sandbox(&self, r: Request<pb::ResumeSandboxRequest>) -> R<pb::Sandbox> {
+        let r = r.into_inner();
+        if r.reboot {
+            self.0.reboots.fetch_add(1, Ordering::SeqCst);
+        }
+        let id = r.sandbox_id;
         let mut m = self.0.sandboxes.lock().unwrap();
         match m.get_mut(&id) {
             Some(s) => {

@@ -279,6 +279,8 @@ impl Node {
             create_latency_us: 0,
             from_pool: false,
             end_at_ms: req.end_at_ms,
+            stopped: false,
+            init: None,
             host_addr: None,
             runtime: self.runtime.new_state(),
         }));
@@ -458,17 +460,25 @@ impl Node {
     }
 
     /// PauseSandbox.
-    pub async fn pause(&self, id: &str) -> Result<SandboxState, NodeError> {
-        self.set_paused(id, true).await
+    /// PauseSandbox: with `memory`, where its processes are; without, filesystem only.
+    pub async fn pause(&self, id: &str, memory: bool) -> Result<SandboxState, NodeError> {
+        self.set_paused(id, true, !memory).await
     }
 
     /// ResumeSandbox.
-    pub async fn resume(&self, id: &str) -> Result<SandboxState, NodeError> {
-        self.set_paused(id, false).await
+    /// ResumeSandbox: where it was, or with `reboot` started afresh from its disk.
+    pub async fn resume(&self, id: &str, reboot: bool) -> Result<SandboxState, NodeError> {
+        self.set_paused(id, false, reboot).await
     }
 
-    /// Running ⇄ Paused through the runtime; anything else is a failed precondition.
-    async fn set_paused(&self, id: &str, pause: bool) -> Result<SandboxState, NodeError> {
+    /// Running ⇄ Paused through the runtime; anything else is a failed precondition. `afresh`:
+    /// a pause without memory, or a resume that starts the sandbox afresh.
+    async fn set_paused(
+        &self,
+        id: &str,
+        pause: bool,
+        afresh: bool,
+    ) -> Result<SandboxState, NodeError> {
         let e = self.entry(id)?;
         let mut st = e.lock().await;
         let (from, to) = if pause {
@@ -484,15 +494,21 @@ impl Node {
             };
             return Err(NodeError::FailedPrecondition(format!("sandbox {id} {why}")));
         }
+        let afresh = afresh || (!pause && st.stopped);
         let r = if pause {
-            self.runtime.pause(&mut st).await
+            self.runtime.pause(&mut st, !afresh).await
         } else {
-            self.runtime.resume(&mut st).await
+            self.runtime.resume(&mut st, afresh).await
         };
         if r.is_ok() {
             st.phase = to;
         }
-        let what = if pause { "paused" } else { "resumed" };
+        let what = match (pause, afresh) {
+            (true, false) => "paused",
+            (true, true) => "paused (filesystem only)",
+            (false, false) => "resumed",
+            (false, true) => "resumed, started afresh from its disk",
+        };
         match &r {
             Ok(()) => self
                 .journal

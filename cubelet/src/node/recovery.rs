@@ -87,7 +87,8 @@ impl Node {
             tracing::warn!(id = %st.id, was = st.runtime.name(), now = self.runtime.name(), "sandbox of another runtime");
             return false;
         }
-        let on_disk = st.phase == Phase::Paused && st.runtime.paused_image().is_some();
+        let on_disk =
+            st.phase == Phase::Paused && (st.stopped || st.runtime.paused_image().is_some());
         (on_disk || crate::runtime::is_alive(st.pid, st.pid_start)) && self.runtime.readopt(st)
     }
 }

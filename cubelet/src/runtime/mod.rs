@@ -79,11 +79,13 @@ pub trait Runtime: Send + Sync {
     /// with its agent initialised.
     async fn create(&self, spec: &CreateSpec, st: &mut SandboxState) -> Result<Created, NodeError>;
 
-    /// Stops a running sandbox's processes where they are.
-    async fn pause(&self, st: &mut SandboxState) -> Result<(), NodeError>;
+    /// Stops a running sandbox's processes where they are (`memory`), or, without `memory`,
+    /// ends them once the filesystem is flushed (`st.stopped`): a resume starts it afresh.
+    async fn pause(&self, st: &mut SandboxState, memory: bool) -> Result<(), NodeError>;
 
-    /// Lets a paused sandbox run again.
-    async fn resume(&self, st: &mut SandboxState) -> Result<(), NodeError>;
+    /// Lets a paused sandbox run again: where it stopped, or, with `reboot` (always for one
+    /// paused without memory), started afresh from its disk, its memory dropped.
+    async fn resume(&self, st: &mut SandboxState, reboot: bool) -> Result<(), NodeError>;
 
     /// Makes a running or paused sandbox a build of `template`. `agent_token` is the token
     /// its agent holds, if any (a copy restored with memory holds it too).

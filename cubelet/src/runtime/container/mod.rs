@@ -425,24 +425,14 @@ impl<L: Launcher> Runtime for Container<L> {
             .endpoint
             .clone()
             .ok_or_else(|| NodeError::Internal("sandbox has no network endpoint".into()))?;
-        let init = crate::agent::InitRequest {
-            env_vars: spec.init.env_vars.clone(),
-            // A restored agent without a token of its own must drop its parent's ("" clears).
-            access_token: spec
-                .init
-                .access_token
-                .clone()
-                .or_else(|| prior_token.as_ref().map(|_| String::new())),
-            timestamp: crate::agent::rfc3339_now(),
-            default_user: spec.init.default_user.clone(),
-            default_workdir: spec.init.default_workdir.clone(),
-            nameservers: spec.init.nameservers.clone(),
-        };
+        let init = crate::agent::InitRequest::of(&spec.init, prior_token.is_some());
         let ti = Instant::now();
         h.agent(&ep, st.host_addr)
             .init_as(&init, prior_token.as_deref())
             .await
             .map_err(|e| NodeError::Internal(format!("sandbox {}: /init: {e}", st.id)))?;
+        // Kept for a start afresh (a resume after a pause without memory).
+        st.init = Some(spec.init.clone());
         if !from_pool {
             h.phase("init", ti.elapsed());
             h.phase("total", t0.elapsed());
@@ -450,14 +440,32 @@ impl<L: Launcher> Runtime for Container<L> {
         Ok(Created { from_pool })
     }
 
-    async fn pause(&self, st: &mut SandboxState) -> Result<(), NodeError> {
+    async fn pause(&self, st: &mut SandboxState, memory: bool) -> Result<(), NodeError> {
+        if !memory {
+            return self.stop(st, true).await;
+        }
         if !self.launcher.pauses_to_disk() {
             return self.freeze(st, true).await;
         }
         self.pause_to_disk(st).await
     }
 
-    async fn resume(&self, st: &mut SandboxState) -> Result<(), NodeError> {
+    async fn resume(&self, st: &mut SandboxState, reboot: bool) -> Result<(), NodeError> {
+        if reboot || st.stopped {
+            if !st.stopped {
+                // Its memory goes: the saved image, or the frozen processes.
+                if let Some(image) = st.runtime.paused_image().map(Path::to_path_buf) {
+                    let _ = std::fs::remove_dir_all(&image);
+                    st.runtime
+                        .set_paused_image(None)
+                        .map_err(NodeError::Internal)?;
+                    st.stopped = true;
+                } else {
+                    self.stop(st, false).await?;
+                }
+            }
+            return self.start_afresh(st).await;
+        }
         match st.runtime.paused_image().map(Path::to_path_buf) {
             Some(image) => self.resume_from_disk(st, image).await,
             None => self.freeze(st, false).await,
@@ -492,7 +500,14 @@ impl<L: Launcher> Runtime for Container<L> {
         );
         let token = agent_token.map(str::to_string);
         let paused_image = st.runtime.paused_image().map(Path::to_path_buf);
+        let stopped = st.stopped;
         let r = tokio::task::spawn_blocking(move || -> Result<(), String> {
+            // Paused without memory: the disk is all there is, and nothing runs.
+            if stopped {
+                return crate::storage::clone_file(&disk, &tmp2)
+                    .map(|_| ())
+                    .map_err(|e| e.to_string());
+            }
             // Paused to disk: disk and image are of one instant already and nothing runs.
             if let (Some(from), Some(image)) = (&paused_image, &image2) {
                 crate::storage::clone_file(&disk, &tmp2).map_err(|e| e.to_string())?;
@@ -574,7 +589,7 @@ impl<L: Launcher> Runtime for Container<L> {
             }
         };
         let _ = std::fs::remove_file(&tmp);
-        if let Some(image) = image {
+        if let Some(image) = image.filter(|_| !stopped) {
             if let Err(e) = self.install_checkpoint(&m, &image, &tag) {
                 let _ = std::fs::remove_dir_all(&image);
                 return Err(e);
@@ -597,7 +612,8 @@ impl<L: Launcher> Runtime for Container<L> {
     }
 
     fn readopt(&self, st: &SandboxState) -> bool {
-        self.launcher.readopt(st)
+        // Paused without memory: nothing of it runs for the launcher to find.
+        st.stopped || self.launcher.readopt(st)
     }
 
     fn reap_leftovers(&self, live: &[SandboxState]) {
@@ -655,6 +671,82 @@ impl<L: Launcher> Runtime for Container<L> {
 }
 
 impl<L: Launcher> Container<L> {
+    /// Ends every process of the sandbox (after flushing what its runtime caches, when
+    /// `flush`: it runs) and keeps its disk, endpoint and an empty cgroup: paused without
+    /// memory (`st.stopped`), it starts afresh on resume.
+    async fn stop(&self, st: &mut SandboxState, flush: bool) -> Result<(), NodeError> {
+        let h = &self.host;
+        let (launcher, cg, st2, paths, limits) = (
+            self.launcher.clone(),
+            h.cg.clone(),
+            st.clone(),
+            h.paths_for(&st.id),
+            h.limits(st.shape, 0),
+        );
+        tokio::task::spawn_blocking(move || -> Result<(), String> {
+            if flush {
+                launcher.flush(&st2)?;
+            }
+            crate::runtime::process::kill(&cg, &st2.key, st2.pid, st2.pid_start)
+                .map_err(|e| e.to_string())?;
+            launcher.cleanup(&st2, &paths);
+            // An empty cgroup stays, with its limits, for the start afresh (and the sampler).
+            cg.create(&st2.key)
+                .and_then(|_| cg.set_limits(&st2.key, limits))
+                .map_err(|e| e.to_string())
+        })
+        .await
+        .map_err(task)?
+        .map_err(internal("stopping the sandbox"))?;
+        st.pid = 0;
+        st.pid_start = 0;
+        st.stopped = true;
+        Ok(())
+    }
+
+    /// Starts a stopped sandbox afresh from its disk, in its own namespace and cgroup, and
+    /// initialises its agent as at its create. On failure it stays stopped.
+    async fn start_afresh(&self, st: &mut SandboxState) -> Result<(), NodeError> {
+        let h = &self.host;
+        let id = st.id.clone();
+        let init = st.init.clone().ok_or_else(|| {
+            NodeError::FailedPrecondition(format!(
+                "sandbox {id} was created before its init was kept, so it cannot start afresh"
+            ))
+        })?;
+        let ep = st
+            .endpoint
+            .clone()
+            .ok_or_else(|| NodeError::Internal("sandbox has no network endpoint".into()))?;
+        // A user-space network stack took the addresses with it; a kernel one kept them.
+        h.net
+            .readdress(&ep)
+            .await
+            .map_err(|e| NodeError::Internal(format!("network endpoint: {e}")))?;
+        let (r, t) = self.launch(st, &id, ep.netns_path.clone(), None).await;
+        h.phase("restart", t);
+        let (pid, start) = r?;
+        st.pid = pid;
+        st.pid_start = start;
+        let timeout = Duration::from_millis(u64::from(h.cfg.sandbox.ready_timeout_ms));
+        let agent = h.agent(&ep, st.host_addr);
+        let ready = match agent.wait_healthy(timeout).await {
+            Ok(()) => agent
+                .init_as(&crate::agent::InitRequest::of(&init, false), None)
+                .await
+                .map_err(|e| format!("/init: {e}")),
+            Err(e) => Err(e.to_string()),
+        };
+        if let Err(e) = ready {
+            self.stop(st, false).await?;
+            return Err(NodeError::Internal(format!(
+                "sandbox {id}: started afresh, but its agent: {e}"
+            )));
+        }
+        st.stopped = false;
+        Ok(())
+    }
+
     /// Saves the sandbox's processes and memory under its directory and stops it: it then
     /// holds its disk, cgroup and endpoint, and no host memory.
     async fn pause_to_disk(&self, st: &mut SandboxState) -> Result<(), NodeError> {
@@ -790,6 +882,8 @@ impl<L: Launcher> Container<L> {
             create_latency_us: 0,
             from_pool: true,
             end_at_ms: 0,
+            stopped: false,
+            init: None,
             host_addr: None,
             runtime: self.launcher.new_state(),
         };

@@ -31,6 +31,10 @@ const SHIM_CALL: Duration = Duration::from_secs(60);
 /// How long a fresh shim may take to answer.
 const SHIM_START: Duration = Duration::from_secs(10);
 
+/// Why a microVM cannot pause without memory or be rebooted on resume.
+const NO_REBOOT: &str = "microvm sandboxes pause with their memory: a filesystem-only pause and \
+     a reboot on resume (memory: false) are not implemented for microVMs";
+
 pub struct Microvm {
     host: Arc<Host>,
     spawner: ShimSpawner,
@@ -871,12 +875,18 @@ impl Runtime for Microvm {
     }
 
     /// Pause to disk: guest memory released, the shim stays as an empty process.
-    async fn pause(&self, st: &mut SandboxState) -> Result<(), NodeError> {
+    async fn pause(&self, st: &mut SandboxState, memory: bool) -> Result<(), NodeError> {
+        if !memory {
+            return Err(NodeError::FailedPrecondition(NO_REBOOT.into()));
+        }
         self.pause_resume_microvm(st, true).await
     }
 
     /// Restore from the pause directory in the same shim, then a fresh init.
-    async fn resume(&self, st: &mut SandboxState) -> Result<(), NodeError> {
+    async fn resume(&self, st: &mut SandboxState, reboot: bool) -> Result<(), NodeError> {
+        if reboot {
+            return Err(NodeError::FailedPrecondition(NO_REBOOT.into()));
+        }
         self.pause_resume_microvm(st, false).await
     }
 
