@@ -466,6 +466,98 @@ async fn restarted_cubelet_readopts_gvisor_sandboxes() {
     restart_readopts("gvisor").await;
 }
 
+/// `[gvisor] pause_to_disk` (opt-in): a pause is a `runsc checkpoint` that stops the sandbox,
+/// so nothing of it runs; it is re-adopted by a restarted cubelet from its image, and a resume
+/// restores it with its memory. Debian's runsc restores about one checkpoint in ten with the
+/// agent wedged (gVisor #13920, #14147): such a resume must fail cleanly, the sandbox still
+/// paused with its image, and be killable without leftovers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gvisor_pause_to_disk_stops_the_sandbox_and_survives_a_restart() {
+    cube_testkit::require_priv!("cubelet::gvisor_pause_to_disk");
+    let mut c = Cubelet::new(
+        "gpd",
+        Opts {
+            runtime: Some("gvisor"),
+            network_pool: 1,
+            gvisor_pause_to_disk: true,
+            ..Default::default()
+        },
+    );
+    let mut cl = c.start().await;
+    let sb = cl
+        .create_sandbox(create_req("disk1"))
+        .await
+        .unwrap()
+        .into_inner();
+    // Only in the Sentry's memory (its /tmp).
+    sh(&sb, "echo kept > /tmp/m").await;
+    let running = state_of(&c, "disk1");
+    assert!(cubelet::runtime::is_alive(running.pid, running.pid_start));
+    cl.pause_sandbox(pb::PauseSandboxRequest {
+        sandbox_id: "disk1".into(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let ps = state_of(&c, "disk1");
+    let image = ps
+        .runtime
+        .paused_image()
+        .expect("no pause image")
+        .to_owned();
+    assert!(image.join("checkpoint.img").is_file(), "{image:?}");
+    // Nothing of it runs on the host.
+    assert_eq!(ps.pid, 0);
+    assert!(!cubelet::runtime::is_alive(running.pid, running.pid_start));
+    let procs = ["", "memory/"].iter().find_map(|h| {
+        std::fs::read_to_string(format!(
+            "/sys/fs/cgroup/{h}{}/{}/cgroup.procs",
+            c.cgroup_parent, ps.key
+        ))
+        .ok()
+    });
+    assert_eq!(procs.as_deref().map(str::trim), Some(""), "{procs:?}");
+    // Re-adopted from its image by a restarted cubelet.
+    c.crash();
+    let mut cl = c.start().await;
+    let g = cl
+        .get_sandbox(pb::SandboxRef {
+            sandbox_id: "disk1".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(g.state, pb::SandboxState::Paused as i32, "{}", c.log());
+    let r = cl
+        .resume_sandbox(pb::ResumeSandboxRequest {
+            sandbox_id: "disk1".into(),
+            ..Default::default()
+        })
+        .await;
+    match r {
+        Ok(_) => {
+            assert_eq!(sh(&sb, "cat /tmp/m").await.1, "kept\n");
+            assert_eq!(state_of(&c, "disk1").runtime.paused_image(), None);
+            assert!(!image.exists());
+        }
+        Err(e) => {
+            // The gVisor bug: a clear error, still paused, the image kept.
+            assert!(e.message().contains("did not answer"), "{e:?}");
+            let st = state_of(&c, "disk1");
+            assert_eq!((st.phase, st.pid), (cubelet::node::Phase::Paused, 0));
+            assert!(image.join("checkpoint.img").is_file());
+            eprintln!("the restore came back wedged (gVisor #13920/#14147): {e:?}");
+        }
+    }
+    cl.kill_sandbox(pb::SandboxRef {
+        sandbox_id: "disk1".into(),
+    })
+    .await
+    .unwrap();
+    c.stop();
+    c.assert_clean();
+}
+
 async fn restart_readopts(runtime: &'static str) {
     let mut c = Cubelet::new(
         if runtime == "gvisor" { "rsg" } else { "rst" },
@@ -514,17 +606,6 @@ async fn restart_readopts(runtime: &'static str) {
     let fs = state_of(&c, "keep3");
     assert!(fs.stopped && fs.pid == 0, "{fs:?}");
     assert!(fs.runtime.paused_image().is_none());
-    let ps = state_of(&c, "keep2");
-    if runtime == "gvisor" {
-        // Paused to disk: no host process, the checkpoint image in its place.
-        let image = ps
-            .runtime
-            .paused_image()
-            .expect("no pause image")
-            .to_owned();
-        assert!(image.join("checkpoint.img").is_file(), "{image:?}");
-        assert_eq!(ps.pid, 0);
-    }
     sh(&sb, "echo before > /tmp/x").await;
     let st = state_of(&c, "keep1");
     // The sampler (every 500 ms here) samples, pulls the agent's log and writes the journal.
@@ -660,12 +741,6 @@ async fn restart_readopts(runtime: &'static str) {
     .unwrap();
     let (_, out) = sh(&paused, "cat /tmp/m 2>/dev/null || echo no-tmp").await;
     assert_eq!(out, "no-tmp\n");
-    if runtime == "gvisor" {
-        assert_eq!(state_of(&c, "keep2").runtime.paused_image(), None);
-    }
-    if runtime == "gvisor" {
-        assert_eq!(state_of(&c, "keep2").runtime.paused_image(), None);
-    }
     cl.kill_sandbox(pb::SandboxRef {
         sandbox_id: "keep1".into(),
     })

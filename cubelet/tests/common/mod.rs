@@ -85,6 +85,8 @@ pub struct Opts {
     pub no_switch: bool,
     /// `sandbox.end_grace_s` (None: cubelet's default).
     pub end_grace_s: Option<u64>,
+    /// `gvisor.pause_to_disk = true`.
+    pub gvisor_pause_to_disk: bool,
 }
 
 /// Programs of the `mini` template (the defaults plus netcat and timeout for network tests).
@@ -142,7 +144,7 @@ sample_interval_ms = 500
 host_pool = "{host_pool}"
 pin_root = "{pin}"
 nft_table = "{nft_table}"
-[pools.started]
+{gvisor}[pools.started]
 {started}
 "#,
             runtime = o
@@ -159,6 +161,11 @@ nft_table = "{nft_table}"
             },
             agent = stripped_agent(&root).display(),
             max = o.max_sandboxes,
+            gvisor = if o.gvisor_pause_to_disk {
+                "[gvisor]\npause_to_disk = true\n"
+            } else {
+                ""
+            },
             end_grace = o
                 .end_grace_s
                 .map(|g| format!("end_grace_s = {g}\n"))

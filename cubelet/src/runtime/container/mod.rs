@@ -672,9 +672,9 @@ impl<L: Launcher> Runtime for Container<L> {
 
 impl<L: Launcher> Container<L> {
     /// Ends every process of the sandbox (after flushing what its runtime caches, when
-    /// `flush`: it runs) and keeps its disk, endpoint and an empty cgroup: paused without
-    /// memory (`st.stopped`), it starts afresh on resume.
-    async fn stop(&self, st: &mut SandboxState, flush: bool) -> Result<(), NodeError> {
+    /// `flush`: it runs) and keeps its disk, endpoint and an empty cgroup with its limits (for
+    /// a start again, and the sampler). Its pid is 0 after.
+    async fn end_processes(&self, st: &mut SandboxState, flush: bool) -> Result<(), NodeError> {
         let h = &self.host;
         let (launcher, cg, st2, paths, limits) = (
             self.launcher.clone(),
@@ -690,7 +690,6 @@ impl<L: Launcher> Container<L> {
             crate::runtime::process::kill(&cg, &st2.key, st2.pid, st2.pid_start)
                 .map_err(|e| e.to_string())?;
             launcher.cleanup(&st2, &paths);
-            // An empty cgroup stays, with its limits, for the start afresh (and the sampler).
             cg.create(&st2.key)
                 .and_then(|_| cg.set_limits(&st2.key, limits))
                 .map_err(|e| e.to_string())
@@ -700,47 +699,72 @@ impl<L: Launcher> Container<L> {
         .map_err(internal("stopping the sandbox"))?;
         st.pid = 0;
         st.pid_start = 0;
+        Ok(())
+    }
+
+    /// Paused without memory (`st.stopped`): its processes end, and it starts afresh on
+    /// resume.
+    async fn stop(&self, st: &mut SandboxState, flush: bool) -> Result<(), NodeError> {
+        self.end_processes(st, flush).await?;
         st.stopped = true;
         Ok(())
     }
 
-    /// Starts a stopped sandbox afresh from its disk, in its own namespace and cgroup, and
-    /// initialises its agent as at its create. On failure it stays stopped.
-    async fn start_afresh(&self, st: &mut SandboxState) -> Result<(), NodeError> {
+    /// Starts PID 1 of a sandbox that has none again, afresh or from the checkpoint
+    /// `restore`, in its own namespace (addressed again: a user-space network stack took the
+    /// addresses with it when it stopped; a kernel one kept them) and cgroup, and waits for its
+    /// agent. On failure its processes are ended again.
+    async fn relaunch(
+        &self,
+        st: &mut SandboxState,
+        restore: Option<std::path::PathBuf>,
+    ) -> Result<crate::agent::AgentClient, NodeError> {
         let h = &self.host;
+        let id = st.id.clone();
+        let ep = st
+            .endpoint
+            .clone()
+            .ok_or_else(|| NodeError::Internal("sandbox has no network endpoint".into()))?;
+        h.net
+            .readdress(&ep)
+            .await
+            .map_err(|e| NodeError::Internal(format!("network endpoint: {e}")))?;
+        let what = if restore.is_some() {
+            "restore"
+        } else {
+            "restart"
+        };
+        let (r, t) = self.launch(st, &id, ep.netns_path.clone(), restore).await;
+        h.phase(what, t);
+        let (pid, start) = r?;
+        st.pid = pid;
+        st.pid_start = start;
+        let timeout = Duration::from_millis(u64::from(h.cfg.sandbox.ready_timeout_ms));
+        let agent = h.agent(&ep, st.host_addr);
+        if let Err(e) = agent.wait_healthy(timeout).await {
+            self.end_processes(st, false).await?;
+            return Err(NodeError::Internal(format!(
+                "sandbox {id}: {what}, but its agent did not answer: {e}"
+            )));
+        }
+        Ok(agent)
+    }
+
+    /// Starts a stopped sandbox afresh from its disk and initialises its agent as at its
+    /// create. On failure it stays stopped.
+    async fn start_afresh(&self, st: &mut SandboxState) -> Result<(), NodeError> {
         let id = st.id.clone();
         let init = st.init.clone().ok_or_else(|| {
             NodeError::FailedPrecondition(format!(
                 "sandbox {id} was created before its init was kept, so it cannot start afresh"
             ))
         })?;
-        let ep = st
-            .endpoint
-            .clone()
-            .ok_or_else(|| NodeError::Internal("sandbox has no network endpoint".into()))?;
-        // A user-space network stack took the addresses with it; a kernel one kept them.
-        h.net
-            .readdress(&ep)
-            .await
-            .map_err(|e| NodeError::Internal(format!("network endpoint: {e}")))?;
-        let (r, t) = self.launch(st, &id, ep.netns_path.clone(), None).await;
-        h.phase("restart", t);
-        let (pid, start) = r?;
-        st.pid = pid;
-        st.pid_start = start;
-        let timeout = Duration::from_millis(u64::from(h.cfg.sandbox.ready_timeout_ms));
-        let agent = h.agent(&ep, st.host_addr);
-        let ready = match agent.wait_healthy(timeout).await {
-            Ok(()) => agent
-                .init_as(&crate::agent::InitRequest::of(&init, false), None)
-                .await
-                .map_err(|e| format!("/init: {e}")),
-            Err(e) => Err(e.to_string()),
-        };
-        if let Err(e) = ready {
-            self.stop(st, false).await?;
+        let agent = self.relaunch(st, None).await?;
+        let init = crate::agent::InitRequest::of(&init, false);
+        if let Err(e) = agent.init_as(&init, None).await {
+            self.end_processes(st, false).await?;
             return Err(NodeError::Internal(format!(
-                "sandbox {id}: started afresh, but its agent: {e}"
+                "sandbox {id}: started afresh, but /init: {e}"
             )));
         }
         st.stopped = false;
@@ -775,45 +799,14 @@ impl<L: Launcher> Container<L> {
             .map_err(NodeError::Internal)
     }
 
-    /// Restores a sandbox paused to disk in its own namespace (addressed again: the stopped
-    /// network stack took the addresses with it) and waits for its agent. On failure the
-    /// restored processes are stopped and the image kept, so a resume can be tried again.
+    /// Restores a sandbox paused to disk with its processes. On failure the image is kept, so
+    /// a resume can be tried again.
     async fn resume_from_disk(
         &self,
         st: &mut SandboxState,
         image: std::path::PathBuf,
     ) -> Result<(), NodeError> {
-        let h = &self.host;
-        let ep = st
-            .endpoint
-            .clone()
-            .ok_or_else(|| NodeError::Internal("sandbox has no network endpoint".into()))?;
-        h.net
-            .readdress(&ep)
-            .await
-            .map_err(|e| NodeError::Internal(format!("network endpoint: {e}")))?;
-        let id = st.id.clone();
-        let (r, t) = self
-            .launch(st, &id, ep.netns_path.clone(), Some(image.clone()))
-            .await;
-        h.phase("restore", t);
-        let (pid, start) = r?;
-        st.pid = pid;
-        st.pid_start = start;
-        let timeout = Duration::from_millis(u64::from(h.cfg.sandbox.ready_timeout_ms));
-        if let Err(e) = h.agent(&ep, st.host_addr).wait_healthy(timeout).await {
-            let (launcher, st2, paths) = (self.launcher.clone(), st.clone(), h.paths_for(&id));
-            let _ = tokio::task::spawn_blocking(move || {
-                launcher.cleanup(&st2, &paths);
-                crate::runtime::process::reap(st2.pid, Duration::from_secs(10));
-            })
-            .await;
-            st.pid = 0;
-            st.pid_start = 0;
-            return Err(NodeError::Internal(format!(
-                "sandbox {id}: restored, but its agent did not answer: {e}"
-            )));
-        }
+        self.relaunch(st, Some(image.clone())).await?;
         st.runtime
             .set_paused_image(None)
             .map_err(NodeError::Internal)?;

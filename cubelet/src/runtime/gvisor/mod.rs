@@ -7,9 +7,12 @@
 //! `init.rs` says how it starts on Debian's runsc despite gVisor issue #10704), the
 //! pre-started pool.
 //!
-//! Pause saves processes and memory to disk (`runsc checkpoint`) and stops the sandbox, which
-//! then holds no host memory; resume restores it in its own namespace, addressed again
-//! (`[gvisor] pause_to_disk = false`: the cgroup is frozen instead, memory stays in RAM).
+//! Pause freezes the cgroup (memory stays in RAM). With `[gvisor] pause_to_disk = true` it
+//! saves processes and memory to disk (`runsc checkpoint`) and stops the sandbox, which then
+//! holds no host memory, and resume restores it in its own namespace, addressed again; off by
+//! default: restored into the same namespace, about one in ten comes back with its agent
+//! wedged on Debian's runsc (gVisor issues #13920, #14147), while snapshots restored into a
+//! fresh namespace did not (20 of 20).
 //! Snapshots keep memory: `runsc checkpoint` of the stopped sandbox with its disk cloned at the
 //! same instant, and a sandbox created from one is `runsc restore`d over a clone of that disk in
 //! its own namespace (every sandbox has the same address inside, so the restored stack fits).
