@@ -521,18 +521,6 @@ async fn microvm_sandboxes_restore_pause_to_disk_fork_fail_and_survive_a_restart
         .unwrap();
     assert_eq!(limit, (64 + 128) << 20, "{limit_file}");
 
-    // A filesystem-only pause is not implemented for microVMs: refused, the VM keeps running.
-    let fs = c
-        .pause_sandbox(pb::PauseSandboxRequest {
-            sandbox_id: "mva".into(),
-            filesystem_only: true,
-        })
-        .await
-        .unwrap_err();
-    assert_eq!(fs.code(), tonic::Code::FailedPrecondition, "{fs:?}");
-    assert!(fs.message().contains("memory: false"), "{fs:?}");
-    assert_eq!(checkpoints(&mut sa).0, ShimState::Running);
-
     // Pause to disk releases the guest's memory; resume brings it back on the same node,
     // and the guest asks for (and gets) a fresh init.
     let p = c
@@ -554,14 +542,6 @@ async fn microvm_sandboxes_restore_pause_to_disk_fork_fail_and_survive_a_restart
         })
         .await;
     assert_eq!(again.unwrap_err().code(), tonic::Code::FailedPrecondition);
-    let reboot = c
-        .resume_sandbox(pb::ResumeSandboxRequest {
-            sandbox_id: "mva".into(),
-            reboot: true,
-        })
-        .await
-        .unwrap_err();
-    assert_eq!(reboot.code(), tonic::Code::FailedPrecondition, "{reboot:?}");
     let r = c
         .resume_sandbox(pb::ResumeSandboxRequest {
             sandbox_id: "mva".into(),
