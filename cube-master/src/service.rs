@@ -556,16 +556,13 @@ impl Controller {
             from_snapshot,
             // The latest it can end (its timeout counts from when it runs, SetEndTime after);
             // none for a sandbox paused at its end (the node cannot pause it for the master).
-            end_at_ms: if row.auto_pause != 0 {
-                0
-            } else {
-                u64::try_from(
-                    crate::now_ms()
-                        + i64::try_from(self.cfg.create_timeout_ms).unwrap_or(0)
-                        + p.timeout_s as i64 * 1000,
-                )
-                .unwrap_or(0)
-            },
+            end_at_ms: u64::try_from(node_end(
+                row,
+                crate::now_ms()
+                    + i64::try_from(self.cfg.create_timeout_ms).unwrap_or(0)
+                    + p.timeout_s as i64 * 1000,
+            ))
+            .unwrap_or(0),
         };
         let mut c = n.client.clone();
         let t = Duration::from_millis(self.cfg.create_timeout_ms);

@@ -487,7 +487,8 @@ impl<L: Launcher> Runtime for Container<L> {
         let staging = h.templates.dir().join(".staging");
         let tag = new_key();
         let tmp = staging.join(format!("snap-{}-{tag}.ext4", st.id));
-        let image = full.then(|| staging.join(format!("ckpt-{}-{tag}", st.id)));
+        // A sandbox paused without memory has only its disk to give.
+        let image = (full && !st.stopped).then(|| staging.join(format!("ckpt-{}-{tag}", st.id)));
         let (cg, key, disk, tmp2, launcher, paths, st2, image2) = (
             h.cg.clone(),
             st.key.clone(),
@@ -589,7 +590,7 @@ impl<L: Launcher> Runtime for Container<L> {
             }
         };
         let _ = std::fs::remove_file(&tmp);
-        if let Some(image) = image.filter(|_| !stopped) {
+        if let Some(image) = image {
             if let Err(e) = self.install_checkpoint(&m, &image, &tag) {
                 let _ = std::fs::remove_dir_all(&image);
                 return Err(e);
