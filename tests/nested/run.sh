@@ -175,7 +175,7 @@ boot_l1() {
 	local progress=$now
 	while kill -0 "$qpid" 2>/dev/null; do
 		sleep 5
-		seen="$(cat "$res/current" 2>/dev/null || true)|$(wc -l <"$res/steps" 2>/dev/null || true)"
+		seen="$(cat "$res/current" 2>/dev/null || true)|$({ wc -l <"$res/steps"; } 2>/dev/null || true)"
 		now=$(date +%s)
 		if [[ $seen != "$last_seen" ]]; then
 			last_seen=$seen
@@ -192,9 +192,14 @@ boot_l1() {
 	l1_rc=$?
 	set -e
 	echo "--- L1 console, boot $n (last 30 lines)"
-	tail -n 30 "$work/console.$n.log" | sed 's/^/  /' || true
+	show_tail 30 "$work/console.$n.log" "  "
 	[[ -s $work/qemu.$n.log ]] && { echo "--- qemu"; cat "$work/qemu.$n.log"; }
 	return 0
+}
+# show_tail <lines> <file> <indent>: the end of a log, or a note that there is none. Never fails:
+# under pipefail a missing log (a step L1 never reached) must not end the script before the retry.
+show_tail() {
+	if [[ -s $2 ]]; then tail -n "$1" "$2" | sed "s/^/$3/" || true; else echo "$3(no log)"; fi
 }
 # step_line <n> <step>: that step's report in boot n, if any.
 step_line() { awk -v s="$2" '$2 == s' "$work/results.$1/steps" 2>/dev/null | tail -n1 || true; }
@@ -220,7 +225,7 @@ done <<<"$steps"
 if [[ -n $retry ]] && ((rc1 != 124 && rc1 != 137 || stalled1)); then
 	for step in $retry; do
 		echo "nested: RETRY $step: $( [[ -n $(step_line 1 "$step") ]] && echo "timed out" || echo "did not report") in boot 1; its log there (last 60 lines):"
-		tail -n 60 "$work/results.1/$step.log" 2>/dev/null | sed 's/^/    /'
+		show_tail 60 "$work/results.1/$step.log" "    "
 	done
 	boot_l1 2 "l1-kvm$retry"
 fi
@@ -242,7 +247,7 @@ while read -r step; do
 	PASS*) echo "  $line$( ((n == 2)) && echo " (boot 2, after a stall in boot 1)")"; slog "RAN     nested nested/$step" ;;
 	FAIL*)
 		echo "  $line (boot $n)"; failures=$((failures + 1)); slog "FAILED  nested nested/$step: failed in L1"
-		echo "  --- $step log (last 60 lines)"; tail -n 60 "$work/results.$n/$step.log" 2>/dev/null | sed 's/^/    /' ;;
+		echo "  --- $step log (last 60 lines)"; show_tail 60 "$work/results.$n/$step.log" "    " ;;
 	*) echo "  MISSING $step (did not report)"; failures=$((failures + 1)) ;;
 	esac
 done <<<"$steps"
