@@ -12,6 +12,7 @@ pub mod fs_rpc;
 pub mod init;
 pub mod interpreter;
 pub mod journal;
+pub mod listen;
 pub mod mountinfo;
 pub mod net;
 pub mod pjson;

@@ -442,30 +442,9 @@ async fn route(state: Shared, req: Request<Incoming>) -> Resp {
     }
 }
 
-/// Accepts connections forever.
+/// Serves envd on `listener` forever.
 pub async fn serve(listener: tokio::net::TcpListener, state: Shared) {
-    loop {
-        let (stream, _peer) = match listener.accept().await {
-            Ok(x) => x,
-            Err(e) => {
-                // EMFILE and friends: back off instead of spinning.
-                tracing::warn!("accept failed: {e}");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-        };
-        let _ = stream.set_nodelay(true);
-        let st = state.clone();
-        tokio::spawn(async move {
-            let svc = hyper::service::service_fn(move |req| handle(st.clone(), req));
-            let conn = hyper::server::conn::http1::Builder::new()
-                .keep_alive(true)
-                .serve_connection(hyper_util::rt::TokioIo::new(stream), svc);
-            if let Err(e) = conn.await {
-                tracing::debug!("connection ended: {e}");
-            }
-        });
-    }
+    crate::listen::serve(listener, "envd", move |req| handle(state.clone(), req)).await
 }
 
 #[cfg(test)]

@@ -244,27 +244,7 @@ fn execute(st: Arc<Interpreter>, body: &[u8]) -> Resp {
     r
 }
 
-/// Serves the interpreter until the listener fails.
+/// Serves the interpreter on `listener` forever.
 pub async fn serve(listener: tokio::net::TcpListener, st: Arc<Interpreter>) {
-    loop {
-        let (stream, _peer) = match listener.accept().await {
-            Ok(x) => x,
-            Err(e) => {
-                tracing::warn!("interpreter accept failed: {e}");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-        };
-        let _ = stream.set_nodelay(true);
-        let st = st.clone();
-        tokio::spawn(async move {
-            let svc = hyper::service::service_fn(move |req| handle(st.clone(), req));
-            let conn = hyper::server::conn::http1::Builder::new()
-                .keep_alive(true)
-                .serve_connection(hyper_util::rt::TokioIo::new(stream), svc);
-            if let Err(e) = conn.await {
-                tracing::debug!("interpreter connection ended: {e}");
-            }
-        });
-    }
+    crate::listen::serve(listener, "interpreter", move |req| handle(st.clone(), req)).await
 }
