@@ -22,6 +22,9 @@ pub struct ApiConfig {
     pub metrics_addr: String,
     /// Largest accepted request body (413 above).
     pub max_body_bytes: usize,
+    /// How long a master call that fails in transport (the master restarting) is resent before
+    /// the client gets a 503, in ms (0 = one try).
+    pub master_retry_ms: u64,
     /// How long the edge trusts a master answer about a sandbox, in ms (0 = ask every time).
     pub edge_cache_ttl_ms: u64,
     /// Per-API-key token buckets.
@@ -43,6 +46,7 @@ impl Default for ApiConfig {
             default_timeout_v2_s: 300,
             metrics_addr: "127.0.0.1:9094".into(),
             max_body_bytes: 1 << 20,
+            master_retry_ms: 10_000,
             edge_cache_ttl_ms: 1000,
             rate_limit: Default::default(),
             log_format: Default::default(),

@@ -154,7 +154,10 @@ pub fn route(headers: &hyper::HeaderMap) -> Route {
 /// What every edge connection shares.
 #[derive(Clone)]
 pub struct Edge {
+    /// Resends a call while the master restarts (for look-ups the edge has no answer for).
     pub master: Master,
+    /// One try: for refreshing an answer the edge can fall back on.
+    pub master_once: Master,
     pub cache: Arc<SandboxCache>,
     pub metrics: Arc<Metrics>,
     /// Per client address, for look-ups the cache cannot answer.
@@ -191,10 +194,15 @@ enum Miss {
     NotFound,
     /// The client address is over its look-up rate; retry after this long.
     Limited(Duration),
+    /// The master cannot be reached (restarting) and the edge never saw this sandbox.
+    Unavailable,
 }
 
 /// The sandbox for a route: from the cache when fresh (found or known missing), else from the
-/// master (then cached), if the client address is within its look-up rate.
+/// master (then cached), if the client address is within its look-up rate. While the master is
+/// unreachable, a sandbox the edge has routed to before keeps being routed by that last answer
+/// (its traffic does not depend on the master), and one it never saw waits for the master's
+/// return up to cube-api's retry budget.
 async fn lookup(edge: &Edge, key: Key, client: IpAddr) -> Result<pb::SandboxInfo, Miss> {
     match edge.cache.get(&key) {
         // Past its end the master may have paused or killed it since: ask again.
@@ -217,7 +225,8 @@ async fn lookup(edge: &Edge, key: Key, client: IpAddr) -> Result<pb::SandboxInfo
     }
     // A sandbox this edge has served before is refreshed whatever the address's rate: a flood
     // of guesses from the same address must not cut off the client's real sandboxes.
-    let allowed = if edge.cache.was_found(&key) {
+    let stale = edge.cache.last_found(&key);
+    let allowed = if stale.is_some() {
         Ok(())
     } else {
         edge.limiter.check(&client.to_string(), Class::EdgeLookup)
@@ -234,7 +243,11 @@ async fn lookup(edge: &Edge, key: Key, client: IpAddr) -> Result<pb::SandboxInfo
         .with_label_values(&["master"])
         .inc();
     let generation = edge.cache.generation();
-    let mut master = edge.master.clone();
+    let mut master = if stale.is_some() {
+        edge.master_once.clone()
+    } else {
+        edge.master.clone()
+    };
     let r = match &key {
         Key::Id(id) => {
             master
@@ -258,6 +271,16 @@ async fn lookup(edge: &Edge, key: Key, client: IpAddr) -> Result<pb::SandboxInfo
             edge.cache.insert(generation, key, info.clone());
             Ok(info)
         }
+        Err(s) if s.code() == tonic::Code::Unavailable => match stale {
+            Some(info) => {
+                edge.metrics
+                    .edge_lookups
+                    .with_label_values(&["stale"])
+                    .inc();
+                Ok(info)
+            }
+            None => Err(Miss::Unavailable),
+        },
         Err(s) => {
             if s.code() == tonic::Code::NotFound {
                 edge.cache.insert_missing(generation, key);
@@ -279,6 +302,18 @@ fn forbidden(msg: &str) -> Response<Body> {
         StatusCode::FORBIDDEN,
         serde_json::json!({"code": 403, "message": msg}),
     )
+}
+
+fn unavailable() -> Response<Body> {
+    let mut r = json_response(
+        StatusCode::SERVICE_UNAVAILABLE,
+        serde_json::json!({"code": 503, "message": "cube-master is unreachable (restarting?); retry shortly"}),
+    );
+    r.headers_mut().insert(
+        hyper::header::RETRY_AFTER,
+        hyper::header::HeaderValue::from_static("1"),
+    );
+    r
 }
 
 fn limited(wait: Duration) -> Response<Body> {
@@ -375,6 +410,7 @@ async fn handle_inner(
         Ok(f) => f,
         Err((Miss::NotFound, id)) => return ("not_found", not_found(&id)),
         Err((Miss::Limited(wait), _)) => return ("rate_limited", limited(wait)),
+        Err((Miss::Unavailable, _)) => return ("master_unavailable", unavailable()),
     };
     if info.state != "running" && !info.auto_resume {
         return ("not_found", not_found(&info.sandbox_id));

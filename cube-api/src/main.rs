@@ -28,8 +28,11 @@ async fn main() -> anyhow::Result<()> {
         cube_proto::logging::LogFormat::Text => fmt.init(),
     }
     // The master link over mutual TLS when `[tls]` is set (an http:// master_url is upgraded).
-    let m: master::Master = cube_proto::master::v1::master_client::MasterClient::new(
-        cube_proto::tls::connect_lazy(&cfg.master_url, cfg.tls.as_ref()).context("master_url")?,
+    let channel =
+        cube_proto::tls::connect_lazy(&cfg.master_url, cfg.tls.as_ref()).context("master_url")?;
+    let m = master::client(
+        channel.clone(),
+        std::time::Duration::from_millis(cfg.master_retry_ms),
     );
     let api = tokio::net::TcpListener::bind(&cfg.api_addr)
         .await
@@ -52,6 +55,7 @@ async fn main() -> anyhow::Result<()> {
         edge_l,
         edge::Edge {
             master: m,
+            master_once: master::client(channel, std::time::Duration::ZERO),
             cache: state.cache.clone(),
             metrics: state.metrics.clone(),
             limiter: state.limiter.clone(),

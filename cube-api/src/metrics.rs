@@ -13,11 +13,13 @@ pub struct Metrics {
     pub latency: HistogramVec,
     /// `cube_api_rate_limited_total{class}`.
     pub rate_limited: IntCounterVec,
-    /// `cube_edge_requests_total{result}`: `proxied`, `not_found`, `port_closed`, `forbidden`.
+    /// `cube_edge_requests_total{result}`: `proxied`, `not_found`, `port_closed`, `forbidden`,
+    /// `unauthorized`, `bad_request`, `rate_limited`, `master_unavailable`.
     pub edge_requests: IntCounterVec,
     /// `cube_edge_bytes_total{direction}`: body bytes `to_sandbox` / `from_sandbox`.
     pub edge_bytes: IntCounterVec,
-    /// `cube_edge_lookup_total{source}`: sandbox lookups served by the `cache` or the `master`.
+    /// `cube_edge_lookup_total{source}`: sandbox lookups served by the `cache`, the
+    /// `master`, or (master unreachable) the last answer it gave, `stale`.
     pub edge_lookups: IntCounterVec,
     /// `cube_edge_cache_invalidations_total`.
     pub edge_invalidations: IntCounter,

@@ -83,10 +83,18 @@ impl SandboxCache {
         }
     }
 
-    /// Whether `key` named a running sandbox when last asked, however long ago (until swept):
-    /// refreshing such an entry is not a guess, and no look-up limit applies to it.
-    pub fn was_found(&self, key: &Key) -> bool {
-        self.enabled() && matches!(self.lock().entries.get(key), Some((_, Answer::Found(_))))
+    /// The last answer that found `key` running, however old (until swept or invalidated):
+    /// refreshing such an entry is not a guess, so no look-up limit applies to it, and while the
+    /// master cannot be asked (a restart) the edge routes by it, since a running sandbox keeps
+    /// its address.
+    pub fn last_found(&self, key: &Key) -> Option<SandboxInfo> {
+        if !self.enabled() {
+            return None;
+        }
+        match self.lock().entries.get(key) {
+            Some((_, Answer::Found(info))) => Some(info.clone()),
+            _ => None,
+        }
     }
 
     fn ttl_of(&self, a: &Answer) -> Duration {
@@ -191,8 +199,17 @@ mod tests {
         assert!(c
             .get_at(&Key::Id("ia".into()), t0 + Duration::from_millis(1000))
             .is_none());
-        assert!(c.was_found(&Key::Id("ia".into())), "stale but known");
-        assert!(!c.was_found(&Key::Id("ib".into())));
+        let stale = c
+            .last_found(&Key::Id("ia".into()))
+            .expect("kept past its ttl");
+        assert_eq!(stale.sandbox_id, "ia");
+        assert_eq!(c.last_found(&Key::Id("ib".into())), None);
+        c.invalidate("ia");
+        assert_eq!(
+            c.last_found(&Key::Id("ia".into())),
+            None,
+            "gone with a kill"
+        );
         assert!(c.get_at(&Key::Id("ib".into()), t0).is_none());
     }
 

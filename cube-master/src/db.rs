@@ -543,22 +543,42 @@ impl Db {
         })
     }
 
-    /// Forgets a key whose create failed, so that a retry with it creates again.
-    pub async fn release_idempotency_key(&self, team: &str, key: &str) -> Result<(), MasterError> {
-        sqlx::query("DELETE FROM idempotency_keys WHERE team_id = $1 AND idem_key = $2")
-            .bind(team)
-            .bind(key)
-            .execute(&self.pool)
-            .await?;
+    /// Forgets a key whose create (of `sandbox_id`) failed, so that a retry with it creates
+    /// again. A key another create has claimed since is left alone.
+    pub async fn release_idempotency_key(
+        &self,
+        team: &str,
+        key: &str,
+        sandbox_id: &str,
+    ) -> Result<(), MasterError> {
+        sqlx::query(
+            "DELETE FROM idempotency_keys WHERE team_id = $1 AND idem_key = $2 AND sandbox_id = $3",
+        )
+        .bind(team)
+        .bind(key)
+        .bind(sandbox_id)
+        .execute(&self.pool)
+        .await?;
         Ok(())
     }
 
-    /// Deletes keys claimed before `before_ms`; returns how many.
-    pub async fn purge_idempotency_keys(&self, before_ms: i64) -> Result<u64, MasterError> {
-        let r = sqlx::query("DELETE FROM idempotency_keys WHERE created_at_ms < $1")
-            .bind(before_ms)
-            .execute(&self.pool)
-            .await?;
+    /// Deletes keys claimed before `before_ms`, and keys cube-api made up for its own resends
+    /// ([`cube_proto::RETRY_IDEMPOTENCY_PREFIX`]) claimed before `retry_before_ms`; returns how
+    /// many.
+    pub async fn purge_idempotency_keys(
+        &self,
+        before_ms: i64,
+        retry_before_ms: i64,
+    ) -> Result<u64, MasterError> {
+        let r = sqlx::query(
+            "DELETE FROM idempotency_keys WHERE created_at_ms < $1 \
+             OR (idem_key LIKE $2 AND created_at_ms < $3)",
+        )
+        .bind(before_ms)
+        .bind(format!("{}%", cube_proto::RETRY_IDEMPOTENCY_PREFIX))
+        .bind(retry_before_ms)
+        .execute(&self.pool)
+        .await?;
         Ok(r.rows_affected())
     }
 

@@ -276,7 +276,7 @@ impl Controller {
         let r = self.create_as(&id, p).await;
         if r.is_err() && !key.is_empty() {
             // A failed create leaves nothing to return: the key may be used again.
-            if let Err(e) = self.db.release_idempotency_key(&team, &key).await {
+            if let Err(e) = self.db.release_idempotency_key(&team, &key, &id).await {
                 tracing::warn!(sandbox = %id, error = %e, "could not release an idempotency key");
             }
         }
@@ -319,9 +319,18 @@ impl Controller {
         let mut held = held;
         loop {
             let row = self.db.get_sandbox(&held).await?;
-            if row.is_none() {
-                // Claimed but not inserted yet, or its create failed early and let the key
-                // go: claim it again (then this create goes ahead under it).
+            let state = row.as_ref().map(|r| r.state()).transpose()?;
+            // The first create failed (its master died mid-create, or the release after its
+            // failure did not happen): nothing to answer with, so the key is let go.
+            let failed = state == Some(SandboxState::Failed);
+            if failed {
+                self.db
+                    .release_idempotency_key(&p.team_id, key, &held)
+                    .await?;
+            }
+            if row.is_none() || failed {
+                // Claimed but not inserted yet, or its create failed and let the key go:
+                // claim it again (then this create goes ahead under it).
                 match self
                     .db
                     .claim_idempotency_key(&p.team_id, key, id, &fp)
@@ -331,8 +340,11 @@ impl Controller {
                     Some((h, f)) if f == fp => held = h,
                     Some(_) => return Err(other_request()),
                 }
+                if failed {
+                    continue;
+                }
             }
-            match row.as_ref().map(|r| r.state()).transpose()? {
+            match state {
                 // Not inserted yet, or still being created.
                 None | Some(SandboxState::Creating) if tokio::time::Instant::now() < deadline => {
                     tokio::time::sleep(Duration::from_millis(20)).await;
@@ -340,11 +352,6 @@ impl Controller {
                 None | Some(SandboxState::Creating) => {
                     return Err(MasterError::Unavailable(format!(
                         "the create with Idempotency-Key {key:?} has not finished; retry"
-                    )))
-                }
-                Some(SandboxState::Failed) => {
-                    return Err(MasterError::Unavailable(format!(
-                        "the create with Idempotency-Key {key:?} failed; retry"
                     )))
                 }
                 Some(s) if s.is_terminal() || s == SandboxState::Killing => {
@@ -1164,10 +1171,12 @@ impl Controller {
             }
         }
         if self.cfg.idempotency_retention_s > 0 {
-            let before = crate::now_ms().saturating_sub(
+            let now = crate::now_ms();
+            let before = now.saturating_sub(
                 i64::try_from(self.cfg.idempotency_retention_s * 1000).unwrap_or(i64::MAX),
             );
-            self.db.purge_idempotency_keys(before).await?;
+            let retry_before = now.saturating_sub(cube_proto::RETRY_IDEMPOTENCY_RETENTION_MS);
+            self.db.purge_idempotency_keys(before, retry_before).await?;
         }
         if self.cfg.killed_retention_s > 0 {
             let before = crate::now_ms().saturating_sub(

@@ -210,17 +210,52 @@ async fn idempotency_keys_claim_once_per_team(url: String) {
             .unwrap(),
         None
     );
+    // A release by a create that no longer holds the key leaves it alone.
+    db.release_idempotency_key("t", "k1", "sb").await.unwrap();
+    assert_eq!(
+        db.claim_idempotency_key("t", "k1", "sb", "fp")
+            .await
+            .unwrap(),
+        Some(("sa".to_string(), "fp".to_string()))
+    );
     // Released (its create failed), the key can be claimed again.
-    db.release_idempotency_key("t", "k1").await.unwrap();
+    db.release_idempotency_key("t", "k1", "sa").await.unwrap();
     assert_eq!(
         db.claim_idempotency_key("t", "k1", "sd", "fp")
             .await
             .unwrap(),
         None
     );
+    // A key cube-api made up for its own resends goes long before a client's.
+    let retry_key = format!("{}1-2", cube_proto::RETRY_IDEMPOTENCY_PREFIX);
+    assert_eq!(
+        db.claim_idempotency_key("t", &retry_key, "sf", "fp")
+            .await
+            .unwrap(),
+        None
+    );
     let now = cube_master::now_ms();
-    assert_eq!(db.purge_idempotency_keys(now - 60_000).await.unwrap(), 0);
-    assert_eq!(db.purge_idempotency_keys(now + 1).await.unwrap(), 2);
+    assert_eq!(
+        db.purge_idempotency_keys(now - 60_000, now - 60_000)
+            .await
+            .unwrap(),
+        0
+    );
+    assert_eq!(
+        db.purge_idempotency_keys(now - 60_000, now + 1)
+            .await
+            .unwrap(),
+        1,
+        "only the made-up key"
+    );
+    assert_eq!(
+        db.claim_idempotency_key("t", &retry_key, "sg", "fp")
+            .await
+            .unwrap(),
+        None,
+        "purged"
+    );
+    assert_eq!(db.purge_idempotency_keys(i64::MAX, 0).await.unwrap(), 3);
     assert_eq!(
         db.claim_idempotency_key("t", "k1", "se", "fp")
             .await

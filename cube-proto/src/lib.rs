@@ -20,6 +20,12 @@ pub mod master {
 
 pub use node::v1 as nodev1;
 
+/// The prefix of the idempotency keys cube-api makes up for creates that come without one, so
+/// that its own resend of a create (across a master restart) never makes two sandboxes.
+pub const RETRY_IDEMPOTENCY_PREFIX: &str = "cube-retry:";
+/// How long the master keeps such a key: it only has to outlive cube-api's resends.
+pub const RETRY_IDEMPOTENCY_RETENTION_MS: i64 = 10 * 60 * 1000;
+
 /// Unix time in milliseconds, the unit of every `*_ms` time in these APIs.
 pub fn now_ms() -> i64 {
     std::time::SystemTime::now()

@@ -40,7 +40,7 @@ W=$(mktemp -d /var/tmp/nested.XXXXXX)
 # A step that passes its limit is stopped, with what L1's processes were waiting on and the
 # kernel's last words in its log; it reports "FAIL <step> <seconds> timeout" (run.sh retries
 # those once in a fresh L1: TCG has been seen to wedge a guest).
-STEP_LIMIT=${NESTED_STEP_LIMIT:-600}
+STEP_LIMIT=${NESTED_STEP_LIMIT:-450}
 step() {
 	local name=$1 t0 t1 res rc why=""
 	shift

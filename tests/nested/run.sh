@@ -7,7 +7,7 @@
 #   tests/nested/run.sh [--timeout S] [--mem MIB] [--only STEP,...] [--keep]
 #
 #   --timeout S  stop L1 after S seconds (default 2400); a step that has not reported by then fails
-#                (NESTED_STEP_LIMIT, default 600 s, stops one step; a timed-out or stalled step is
+#                (NESTED_STEP_LIMIT, default 450 s, stops one step; a timed-out or stalled step is
 #                run once more in a fresh L1, and the first try's log is printed)
 #   --mem MIB    L1 memory (default 10240)
 #   --only S,..  run only these steps of tests/nested/steps (debugging; CI runs them all)
@@ -204,7 +204,7 @@ show_tail() {
 # step_line <n> <step>: that step's report in boot n, if any.
 step_line() { awk -v s="$2" '$2 == s' "$work/results.$1/steps" 2>/dev/null | tail -n1 || true; }
 
-step_limit=${NESTED_STEP_LIMIT:-600}
+step_limit=${NESTED_STEP_LIMIT:-450}
 # Longer than the per-step limit inside L1, which reports a timed-out step itself when it can.
 stall_s=$((step_limit + 120))
 start=$(date +%s)
