@@ -188,6 +188,9 @@ pub trait NetworkHook: Send + Sync + 'static {
 pub struct NoSwitch;
 impl NetworkHook for NoSwitch {}
 
+/// `statfs` type of a bind-mounted namespace file (linux/magic.h).
+const NSFS_MAGIC: libc::__fsword_t = 0x6e73_6673;
+
 /// Host interface name prefix; every link with it belongs to cubelet (orphan reaping).
 pub const HOST_IF_PREFIX: &str = "cvh";
 
@@ -504,6 +507,30 @@ impl Network {
         Ok(out)
     }
 
+    /// Whether an endpoint made earlier is still whole: its namespace file is still a mounted
+    /// network namespace and its host link still has the index it had. A pooled endpoint can
+    /// lose either under a running node (its run directory cleaned, a link deleted by hand).
+    pub fn intact(ep: &Endpoint) -> bool {
+        if !ep.netns_path.as_os_str().is_empty() {
+            let c = cpath(&ep.netns_path);
+            // SAFETY: valid C string and a local out-buffer.
+            let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
+            if unsafe { libc::statfs(c.as_ptr(), &mut fs) } != 0 || fs.f_type != NSFS_MAGIC {
+                return false;
+            }
+        }
+        if ep.host_ifindex != 0 {
+            let Ok(name) = std::ffi::CString::new(ep.host_if.as_str()) else {
+                return false;
+            };
+            // SAFETY: valid C string.
+            if unsafe { libc::if_nametoindex(name.as_ptr()) } != ep.host_ifindex {
+                return false;
+            }
+        }
+        true
+    }
+
     /// Keys of all namespace files (for orphan reaping).
     pub fn list_netns(&self) -> Vec<String> {
         std::fs::read_dir(&self.netns_dir)
@@ -529,6 +556,11 @@ fn netns_thread(
         move |source| NetError::Io { op, path, source }
     };
     if create {
+        // The run directory may have been removed under a running node (`cubectl down` of a
+        // node it did not stop cleans it): make it again rather than fail every create.
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).map_err(ioe("create", dir))?;
+        }
         std::fs::File::create(&path).map_err(ioe("create", &path))?;
         // SAFETY: unshare affects only this thread, which exits right after.
         if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {

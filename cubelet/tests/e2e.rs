@@ -1079,6 +1079,84 @@ async fn killed_sandboxes_endpoints_are_recycled_clean() {
     c.assert_clean();
 }
 
+/// A pooled endpoint whose namespace went away while it waited (the run directory cleaned under
+/// a running node, as `cubectl down` of a node it did not stop does) is never handed out: the
+/// create gets a whole endpoint, the broken one is deleted and counted, and a run directory
+/// removed outright is made again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pooled_endpoints_without_their_namespace_are_not_handed_out() {
+    cube_testkit::require_priv!("cubelet::pool_validates_netns");
+    let mut c = Cubelet::new(
+        "nsval",
+        Opts {
+            network_recycle: Some(4),
+            ..Default::default()
+        },
+    );
+    let mut cl = c.start().await;
+    let unmount = |p: &std::path::Path| {
+        let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: valid C string; detaching a test's own namespace mount.
+        unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+    };
+    let mut broken: Vec<cubelet::network::Endpoint> = Vec::new();
+    for (i, whole_dir) in [(1, false), (2, true)] {
+        let id = format!("nsv{i}");
+        cl.create_sandbox(create_req(&id)).await.unwrap();
+        let ep = state_of(&c, &id).endpoint.expect("endpoint");
+        assert!(
+            broken.iter().all(|b| b.netns_path != ep.netns_path),
+            "a broken endpoint was handed out"
+        );
+        cl.kill_sandbox(pb::SandboxRef { sandbox_id: id })
+            .await
+            .unwrap();
+        assert!(ep.netns_path.exists(), "the endpoint was not recycled");
+        unmount(&ep.netns_path);
+        if whole_dir {
+            let dir = ep.netns_path.parent().unwrap();
+            for e in std::fs::read_dir(dir).unwrap().flatten() {
+                unmount(&e.path());
+            }
+            std::fs::remove_dir_all(dir).unwrap();
+        } else {
+            std::fs::remove_file(&ep.netns_path).unwrap();
+        }
+        broken.push(ep);
+    }
+    let sb = cl
+        .create_sandbox(create_req("nsv3"))
+        .await
+        .unwrap_or_else(|e| panic!("create after the run directory went: {e:?}\n{}", c.log()))
+        .into_inner();
+    let ep = state_of(&c, "nsv3").endpoint.expect("endpoint");
+    assert!(broken.iter().all(|b| b.netns_path != ep.netns_path));
+    assert_eq!(sh(&sb, "echo ok").await.1, "ok\n");
+    // Both broken endpoints were deleted (their host links too) and counted.
+    for gone in &broken {
+        let name = std::ffi::CString::new(gone.host_if.as_str()).unwrap();
+        // SAFETY: valid C string.
+        assert_eq!(
+            unsafe { libc::if_nametoindex(name.as_ptr()) },
+            0,
+            "{} left",
+            gone.host_if
+        );
+    }
+    let body = http_get(&c.http, "/metrics").await;
+    assert!(
+        body.contains("cube_sandbox_operations_total{op=\"pool_endpoint\",result=\"discarded\"} 2"),
+        "{body}"
+    );
+    cl.kill_sandbox(pb::SandboxRef {
+        sandbox_id: "nsv3".into(),
+    })
+    .await
+    .unwrap();
+    c.stop();
+    c.assert_clean();
+}
+
 /// The default `base` template (bookworm minbase + bash, coreutils, python3, CA certificates)
 /// built through debootstrap. The debootstrap root is cached in /var/cache/cube/templates keyed
 /// by the recipe, so only the first run on a machine reaches Debian's mirror (~2 min).

@@ -7,8 +7,9 @@
 #   tests/nested/run.sh [--timeout S] [--mem MIB] [--only STEP,...] [--keep]
 #
 #   --timeout S  stop L1 after S seconds (default 2400); a step that has not reported by then fails
-#                (NESTED_STEP_LIMIT, default 450 s, stops one step; a timed-out or stalled step is
-#                run once more in a fresh L1, and the first try's log is printed)
+#                (NESTED_STEP_LIMIT, default 450 s, stops one step; a timed-out step, or one a
+#                wedged L1 never reported, runs again in a fresh L1, up to NESTED_MAX_BOOTS (4)
+#                boots, and each try's log is printed)
 #   --mem MIB    L1 memory (default 10240)
 #   --only S,..  run only these steps of tests/nested/steps (debugging; CI runs them all)
 #   --keep       keep the results directory (its path is printed)
@@ -149,19 +150,23 @@ for f in rdseed sha-ni fxsr-opt misalignsse 3dnowprefetch osvw topoext nrip-save
 # cache=loose: nothing on the host changes while L1 runs. The results share is uncached, so a
 # step's report is on the host as soon as it is written.
 #
-# boot_l1 <n> <steps>: one boot of L1 running those steps, stopped at the overall deadline or
-# when no step has started or reported for $stall_s (L1 itself wedged: its own per-step limit
-# would have fired otherwise). Sets l1_rc (qemu's status) and l1_stalled.
+# boot_l1 <n> <steps>: one boot of L1 running those steps, stopped at the overall deadline, when
+# L1's heartbeat (plan.sh writes its uptime every 10 s) stops for $wedge_s (L1 wedged: TCG has
+# been seen to freeze L1 outright, with no soft-lockup or RCU report on its console), or when no
+# step has started or reported for $stall_s (L1's own per-step limit would have fired
+# otherwise). Sets l1_rc (qemu's status) and l1_stalled.
 boot_l1() {
-	local n=$1 res=$work/results.$1 left last_seen seen now qpid
+	local n=$1 res=$work/results.$1 left last_seen seen now qpid hb last_hb="" why="" s
 	mkdir -p "$res"
 	write_env "$res" "$2"
+	for s in $2; do step_boot[$s]=$n; done
 	left=$((deadline - $(date +%s)))
 	((left > 0)) || { l1_rc=124; l1_stalled=0; return; }
 	echo "nested: boot $n of L1 ($pkg, TCG, EPYC+svm+npt, 2 vCPUs, ${mem} MiB): $(echo $2)"
 	timeout --kill-after=10 "$left" qemu-system-x86_64 \
 		-accel tcg,thread=multi -cpu "$cpu" -smp 2 -m "$mem" \
 		-nodefaults -no-user-config -nographic -no-reboot -monitor none \
+		-qmp "unix:$work/qmp.$n,server=on,wait=off" \
 		-serial "file:$work/console.$n.log" \
 		-kernel "$l1/root/boot/vmlinuz-$kver" -initrd "$work/initramfs.gz" \
 		-append "console=ttyS0 panic=-1 quiet loglevel=4 rdinit=/init nested.repo=$repo" \
@@ -172,16 +177,27 @@ boot_l1() {
 	l1_stalled=0
 	last_seen=""
 	now=$(date +%s)
-	local progress=$now
+	local progress=$now beat=$now
 	while kill -0 "$qpid" 2>/dev/null; do
 		sleep 5
 		seen="$(cat "$res/current" 2>/dev/null || true)|$({ wc -l <"$res/steps"; } 2>/dev/null || true)"
+		hb=$(cat "$res/heartbeat" 2>/dev/null || true)
 		now=$(date +%s)
+		[[ $hb != "$last_hb" ]] && { last_hb=$hb; beat=$now; }
 		if [[ $seen != "$last_seen" ]]; then
 			last_seen=$seen
 			progress=$now
+		fi
+		if [[ -z $hb ]] && ((now - beat > boot_s)); then
+			why="L1 did not start the plan within ${boot_s}s"
+		elif [[ -n $hb ]] && ((now - beat > wedge_s)); then
+			why="L1's heartbeat stopped ${wedge_s}s ago (last: uptime ${hb%% *}s)"
 		elif ((now - progress > stall_s)); then
-			echo "nested: L1 made no progress for ${stall_s}s in step '$(cat "$res/current" 2>/dev/null || true)'; stopping it"
+			why="L1 made no progress for ${stall_s}s"
+		fi
+		if [[ -n $why ]]; then
+			echo "nested: $why in step '$(cat "$res/current" 2>/dev/null || true)'; stopping it"
+			wedge_report "$qpid" "$work/qmp.$n"
 			l1_stalled=1
 			kill "$qpid" 2>/dev/null
 			break
@@ -196,6 +212,39 @@ boot_l1() {
 	[[ -s $work/qemu.$n.log ]] && { echo "--- qemu"; cat "$work/qemu.$n.log"; }
 	return 0
 }
+# wedge_report <qemu pid> <qmp socket>: what a stopped L1 looked like from outside, so a wedge can
+# be told apart (QEMU deadlocked: no CPU used; a vCPU spinning: one core busy) and located (each
+# vCPU's instruction pointer and mode). Diagnostics only: never fails.
+wedge_report() {
+	local t0 t1 q
+	q=$(pgrep -P "$1" -f qemu-system | head -n1 || true) # $1 is timeout(1), QEMU its child
+	[[ -n $q ]] || return 0
+	t0=$(awk '{print $14 + $15}' "/proc/$q/stat" 2>/dev/null || echo 0)
+	sleep 5
+	t1=$(awk '{print $14 + $15}' "/proc/$q/stat" 2>/dev/null || echo 0)
+	echo "--- qemu used $(((t1 - t0) * 100 / $(getconf CLK_TCK) / 5))% of a core over 5 s; its threads:"
+	ps -L -o tid,stat,wchan:24,pcpu,comm -p "$q" 2>/dev/null | sed 's/^/  /' || true
+	echo "--- vCPU registers (QMP, 10 s limit)"
+	timeout 10 python3 - "$2" <<'PY' 2>&1 | sed 's/^/  /' || true
+import json, re, socket, sys
+s = socket.socket(socket.AF_UNIX)
+s.settimeout(8)
+s.connect(sys.argv[1])
+f = s.makefile("rw")
+def call(cmd, **args):
+    f.write(json.dumps({"execute": cmd, "arguments": args}) + "\n"); f.flush()
+    while True:
+        m = json.loads(f.readline())
+        if "return" in m or "error" in m:
+            return m
+f.readline()
+call("qmp_capabilities")
+out = call("human-monitor-command", **{"command-line": "info registers -a"}).get("return", "")
+for line in out.splitlines():
+    if re.match(r"^(CPU#|RIP|CS |EFL|CR0|CR3)", line):
+        print(line)
+PY
+}
 # show_tail <lines> <file> <indent>: the end of a log, or a note that there is none. Never fails:
 # under pipefail a missing log (a step L1 never reached) must not end the script before the retry.
 show_tail() {
@@ -207,28 +256,39 @@ step_line() { awk -v s="$2" '$2 == s' "$work/results.$1/steps" 2>/dev/null | tai
 step_limit=${NESTED_STEP_LIMIT:-450}
 # Longer than the per-step limit inside L1, which reports a timed-out step itself when it can.
 stall_s=$((step_limit + 120))
+# A living L1 writes its heartbeat every 10 s; L1 reaches the plan in about a minute of wall time.
+wedge_s=${NESTED_WEDGE_S:-120}
+boot_s=${NESTED_BOOT_S:-300}
+max_boots=${NESTED_MAX_BOOTS:-4}
+declare -A step_boot # the boot whose report counts for each step (its last try)
 start=$(date +%s)
 deadline=$((start + timeout_s))
+n=1
 boot_l1 1 "$steps"
-rc1=$l1_rc
-stalled1=$l1_stalled
-# A step that timed out, or never reported because L1 stopped, runs once more in a fresh L1
-# (after l1-kvm, which loads kvm-amd): TCG has been seen to wedge L1 (soft lockups, RCU stalls,
-# or simply no progress). A step that failed by itself is not retried. The first try's log is
-# printed either way.
-retry=""
-while read -r step; do
-	[[ -z $step ]] && continue
-	line=$(step_line 1 "$step")
-	if [[ -z $line || $line == *" timeout" ]]; then retry+=" $step"; fi
-done <<<"$steps"
-if [[ -n $retry ]] && ((rc1 != 124 && rc1 != 137 || stalled1)); then
+# A step that timed out, or never reported because L1 stopped, runs again in a fresh L1 (after
+# l1-kvm, which loads kvm-amd), up to $max_boots boots in all while the deadline allows. A step
+# that failed by itself is not retried. Each try's log is printed.
+declare -A tries
+while :; do
+	retry=""
+	while read -r step; do
+		# l1-kvm runs first in every boot anyway.
+		[[ -z $step || $step == l1-kvm || ${step_boot[$step]:-0} -ne $n ]] && continue
+		line=$(step_line "$n" "$step")
+		if [[ -z $line || $line == *" timeout" ]]; then retry+=" $step"; fi
+	done <<<"$steps"
+	[[ -n $retry ]] || break
+	((l1_rc != 124 && l1_rc != 137 || l1_stalled)) || break
+	((n < max_boots)) || { echo "nested: no more boots ($max_boots tried)"; break; }
+	(($(date +%s) + 120 < deadline)) || { echo "nested: no time left for another boot"; break; }
 	for step in $retry; do
-		echo "nested: RETRY $step: $( [[ -n $(step_line 1 "$step") ]] && echo "timed out" || echo "did not report") in boot 1; its log there (last 60 lines):"
-		show_tail 60 "$work/results.1/$step.log" "    "
+		tries[$step]=$((${tries[$step]:-0} + 1))
+		echo "nested: RETRY $step: $( [[ -n $(step_line "$n" "$step") ]] && echo "timed out" || echo "did not report") in boot $n; its log there (last 60 lines):"
+		show_tail 60 "$work/results.$n/$step.log" "    "
 	done
-	boot_l1 2 "l1-kvm$retry"
-fi
+	n=$((n + 1))
+	boot_l1 "$n" "l1-kvm$retry"
+done
 wall=$(($(date +%s) - start))
 
 echo "--- steps (L1's clock, seconds)"
@@ -237,21 +297,17 @@ failures=0
 slog() { if [[ -n ${CUBE_SUITE_LOG:-} ]]; then echo "$1" >>"$CUBE_SUITE_LOG"; fi; }
 while read -r step; do
 	[[ -z $step ]] && continue
-	line=$(step_line 1 "$step")
-	n=1
-	if [[ " $retry " == *" $step "* && -f $work/results.2/env ]]; then
-		line=$(step_line 2 "$step")
-		n=2
-	fi
+	b=${step_boot[$step]:-1}
+	line=$(step_line "$b" "$step")
 	case "$line" in
-	PASS*) echo "  $line$( ((n == 2)) && echo " (boot 2, after a stall in boot 1)")"; slog "RAN     nested nested/$step" ;;
+	PASS*) echo "  $line$( ((b > 1 && ${tries[$step]:-0} > 0)) && echo " (boot $b, after ${tries[$step]} stall(s))")"; slog "RAN     nested nested/$step" ;;
 	FAIL*)
-		echo "  $line (boot $n)"; failures=$((failures + 1)); slog "FAILED  nested nested/$step: failed in L1"
-		echo "  --- $step log (last 60 lines)"; show_tail 60 "$work/results.$n/$step.log" "    " ;;
+		echo "  $line (boot $b)"; failures=$((failures + 1)); slog "FAILED  nested nested/$step: failed in L1"
+		echo "  --- $step log (last 60 lines)"; show_tail 60 "$work/results.$b/$step.log" "    " ;;
 	*) echo "  MISSING $step (did not report)"; failures=$((failures + 1)) ;;
 	esac
 done <<<"$steps"
 ((l1_rc == 124 || l1_rc == 137)) && ((!l1_stalled)) && { echo "nested: L1 did not finish within ${timeout_s}s"; failures=$((failures + 1)); }
-echo "nested: L1 wall time ${wall}s (qemu rc $rc1${retry:+, then $l1_rc for the retry})"
+echo "nested: L1 wall time ${wall}s in $n boot(s) (last qemu rc $l1_rc)"
 ((failures == 0)) || die "$failures step(s) failed or missing"
 echo "nested: all steps passed"

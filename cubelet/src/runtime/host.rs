@@ -167,11 +167,27 @@ impl Host {
         Ok(())
     }
 
+    /// A pooled network endpoint that is still whole, or None. One whose namespace file or
+    /// host link went away while it waited is deleted, counted, and never handed out.
+    pub async fn pooled_endpoint(&self) -> Option<Endpoint> {
+        loop {
+            let ep = self.pools.net.lock().ok().and_then(|mut v| v.pop())?;
+            self.wake.notify_one();
+            if Network::intact(&ep) {
+                return Some(ep);
+            }
+            tracing::warn!(host_if = %ep.host_if, netns = %ep.netns_path.display(), "pooled endpoint lost its namespace or link; deleting it");
+            self.metrics
+                .operations
+                .with_label_values(&["pool_endpoint", "discarded"])
+                .inc();
+            self.net.destroy(&ep).await;
+        }
+    }
+
     /// A network endpoint: a pooled one, else a new one.
     pub async fn take_endpoint(&self) -> Result<Endpoint, NodeError> {
-        let ep = self.pools.net.lock().ok().and_then(|mut v| v.pop());
-        if let Some(ep) = ep {
-            self.wake.notify_one();
+        if let Some(ep) = self.pooled_endpoint().await {
             return Ok(ep);
         }
         self.net

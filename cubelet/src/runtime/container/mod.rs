@@ -219,12 +219,8 @@ impl<L: Launcher> Container<L> {
         // A pooled endpoint when there is one; else only the namespace now, and the veth
         // while the sandbox starts in it.
         let endpoint = timed(async {
-            let pooled = h.pools.net.lock().ok().and_then(|mut v| v.pop());
-            match pooled {
-                Some(ep) => {
-                    h.wake.notify_one();
-                    Ok((ep, None))
-                }
+            match h.pooled_endpoint().await {
+                Some(ep) => Ok((ep, None)),
                 None => {
                     let ep = h.net.endpoint_for(&new_key());
                     match h.net.create_netns_only(&ep).await {

@@ -2,6 +2,7 @@
 //! and the accounting that lets a create wait for one that is nearly ready rather than start
 //! another from scratch.
 
+use crate::network::Network;
 use crate::runtime::host::{Host, PoolLevel};
 use crate::runtime::process::is_alive;
 use crate::sandbox::SandboxState;
@@ -24,8 +25,12 @@ pub struct StartedPool {
     done: tokio::sync::Notify,
 }
 
+/// An entry can be handed out while it is of the current build, its process lives, and its
+/// network endpoint is whole (see `Network::intact`).
 fn usable(p: &SandboxState, build: &str) -> bool {
-    p.build == build && is_alive(p.pid, p.pid_start)
+    p.build == build
+        && is_alive(p.pid, p.pid_start)
+        && p.endpoint.as_ref().is_none_or(Network::intact)
 }
 
 impl StartedPool {
