@@ -84,6 +84,9 @@ pub fn node_info(n: &Node) -> pb::NodeInfo {
     }
 }
 
+/// The reason a create cut short by its master's end is failed with.
+pub const INTERRUPTED_CREATE: &str = "create interrupted: the master restarted before it finished";
+
 impl Controller {
     /// Creates a one-time join token; only its hash is stored.
     pub async fn create_join_token(&self, ttl_s: u64) -> Result<(String, i64), MasterError> {
@@ -530,6 +533,31 @@ impl Controller {
             tracing::warn!(node = %id, sandboxes = lost, "sandboxes of a not-ready node marked lost");
         }
         complete
+    }
+
+    /// At start, before serving: a row still `creating` was begun by a master that is gone
+    /// (this one has begun none yet) and can never finish, so it becomes `failed` with the
+    /// reason. Its node's half goes with the next reconcile (the sandbox of a terminal row is
+    /// killed), and a retry under its idempotency key goes ahead as a new create rather than
+    /// waiting for one that will not end. One leading master per database is assumed.
+    pub async fn fail_interrupted_creates(&self) -> Result<usize, MasterError> {
+        let mut n = 0;
+        for r in self.db.list_in_states(&[SandboxState::Creating]).await? {
+            if self
+                .db
+                .transition(
+                    &r.id,
+                    SandboxState::Creating,
+                    SandboxState::Failed,
+                    INTERRUPTED_CREATE,
+                )
+                .await?
+            {
+                tracing::warn!(sandbox = %r.id, node = %r.node_id, "{INTERRUPTED_CREATE}");
+                n += 1;
+            }
+        }
+        Ok(n)
     }
 
     /// Brings the master's view of a node that is Ready (again) in line with what it runs.

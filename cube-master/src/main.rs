@@ -78,6 +78,9 @@ async fn run(cfg: MasterConfig) -> anyhow::Result<()> {
             .with_token_key(key)
             .with_secrets_key(secrets),
     );
+    ctl.fail_interrupted_creates()
+        .await
+        .context("failing creates the previous master left unfinished")?;
     ctl.load_nodes().await.context("loading nodes")?;
     ctl.nodes.poll_once().await;
     tokio::spawn(ctl.nodes.clone().run_poller(poll));

@@ -16,6 +16,8 @@ use tonic::{Request, Response, Status};
 struct FakeNode {
     id: String,
     fail_create: bool,
+    /// A create takes this long (a master can die meanwhile).
+    create_delay_ms: u64,
     max: u32,
     creates: AtomicU32,
     kills: AtomicU32,
@@ -43,6 +45,7 @@ impl Node for Handle {
     }
     async fn create_sandbox(&self, r: Request<pb::CreateSandboxRequest>) -> R<pb::Sandbox> {
         self.creates.fetch_add(1, Ordering::SeqCst);
+        tokio::time::sleep(std::time::Duration::from_millis(self.create_delay_ms)).await;
         if self.fail_create {
             return Err(Status::internal("disk clone failed"));
         }
@@ -168,7 +171,12 @@ fn tokio_stream_wrapper(
 
 async fn controller(nodes: &[String]) -> (Controller, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
-    let db = Db::open(&format!("sqlite://{}/m.db?mode=rwc", dir.path().display()))
+    (controller_on(nodes, dir.path()).await, dir)
+}
+
+/// A master on the database in `dir` (a second one there is the first one restarted).
+async fn controller_on(nodes: &[String], dir: &std::path::Path) -> Controller {
+    let db = Db::open(&format!("sqlite://{}/m.db?mode=rwc", dir.display()))
         .await
         .unwrap();
     let ns = Nodes::new(nodes, 2).unwrap();
@@ -177,7 +185,7 @@ async fn controller(nodes: &[String]) -> (Controller, tempfile::TempDir) {
         nodes: nodes.to_vec(),
         ..Default::default()
     };
-    (Controller::new(cfg, db, ns), dir)
+    Controller::new(cfg, db, ns)
 }
 
 fn params() -> CreateParams {
@@ -222,6 +230,56 @@ async fn create_fails_over_to_the_next_node() {
     assert!(ctl.kill("t", &row.id, "test").await.unwrap());
     assert!(!ctl.kill("t", &row.id, "test").await.unwrap());
     assert_eq!(good.kills.load(Ordering::SeqCst), 1);
+}
+
+/// A master that dies mid-create leaves a `creating` row and the idempotency key held by it.
+/// The restarted master fails that row at start, and the client's retry under the same key
+/// becomes a new create instead of waiting for one that will never end.
+#[tokio::test]
+async fn a_create_cut_short_by_the_masters_end_is_failed_and_its_retry_goes_ahead() {
+    let node = Arc::new(FakeNode {
+        id: "n".into(),
+        max: 10,
+        create_delay_ms: 2_000,
+        ..Default::default()
+    });
+    let addrs = vec![serve(node.clone()).await];
+    let dir = tempfile::tempdir().unwrap();
+    let keyed = || CreateParams {
+        idempotency_key: "retry-me".into(),
+        ..params()
+    };
+    let first = controller_on(&addrs, dir.path()).await;
+    // The master "dies": its create is dropped while the node is still creating.
+    let cut = tokio::time::timeout(std::time::Duration::from_millis(500), first.create(keyed()));
+    assert!(cut.await.is_err(), "the slow create finished early");
+    let stuck = first
+        .db
+        .list_in_states(&[cube_master::state::SandboxState::Creating])
+        .await
+        .unwrap();
+    assert_eq!(stuck.len(), 1);
+    drop(first);
+
+    let second = controller_on(&addrs, dir.path()).await;
+    assert_eq!(second.fail_interrupted_creates().await.unwrap(), 1);
+    assert_eq!(second.fail_interrupted_creates().await.unwrap(), 0);
+    let row = second.db.get_sandbox(&stuck[0].id).await.unwrap().unwrap();
+    assert_eq!(row.state, "failed");
+    assert_eq!(row.reason, cube_master::lifecycle::INTERRUPTED_CREATE);
+    // The retry: a new sandbox, promptly (not after the replay's wait for the dead create).
+    let t = std::time::Instant::now();
+    let again = second.create(keyed()).await.unwrap();
+    assert_ne!(again.id, stuck[0].id);
+    assert_eq!(again.state, "running");
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(10),
+        "{:?}",
+        t.elapsed()
+    );
+    // And the key now answers with that one.
+    assert_eq!(second.create(keyed()).await.unwrap().id, again.id);
+    assert_eq!(node.creates.load(Ordering::SeqCst), 2);
 }
 
 #[tokio::test]

@@ -253,7 +253,9 @@ max_timeout_s = 86400
 default_envd_version = "{ENVD_FALLBACK}"
 metrics_addr = "127.0.0.1:{reserve_port()}"
 """)
-        pm = start([master, "--config", mcfg, "run"], "master.log")
+        c.master_cmd = [master, "--config", mcfg, "run"]
+        pm = start(c.master_cmd, "master.log")
+        c.master_proc = pm
         _wait(lambda: _port_open(mp), "cube-master gRPC", procs=[pm])
         c.master_url = f"http://127.0.0.1:{mp}"
         c.ports = {"cubelet grpc": g, "cubelet http": h, "master grpc": mp}
