@@ -562,6 +562,18 @@ impl Db {
         Ok(())
     }
 
+    /// Deletes keys whose create never recorded its sandbox (its master died between claiming
+    /// the key and inserting the row): no create will ever answer under them. Only safe while
+    /// no create is in flight (at a master's start). Returns how many.
+    pub async fn release_unrecorded_idempotency_keys(&self) -> Result<u64, MasterError> {
+        let r = sqlx::query(
+            "DELETE FROM idempotency_keys WHERE sandbox_id NOT IN (SELECT id FROM sandboxes)",
+        )
+        .execute(&self.pool)
+        .await?;
+        Ok(r.rows_affected())
+    }
+
     /// Deletes keys claimed before `before_ms`, and keys cube-api made up for its own resends
     /// ([`cube_proto::RETRY_IDEMPOTENCY_PREFIX`]) claimed before `retry_before_ms`; returns how
     /// many.

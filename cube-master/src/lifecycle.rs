@@ -541,6 +541,15 @@ impl Controller {
     /// killed), and a retry under its idempotency key goes ahead as a new create rather than
     /// waiting for one that will not end. One leading master per database is assumed.
     pub async fn fail_interrupted_creates(&self) -> Result<usize, MasterError> {
+        // A key claimed by a create that died before recording its sandbox has no row to
+        // answer with: a retry under it would wait for that create forever.
+        let keys = self.db.release_unrecorded_idempotency_keys().await?;
+        if keys > 0 {
+            tracing::warn!(
+                keys,
+                "released idempotency keys of creates that never recorded a sandbox"
+            );
+        }
         let mut n = 0;
         for r in self.db.list_in_states(&[SandboxState::Creating]).await? {
             if self

@@ -7,6 +7,7 @@
 use crate::scheduler::{self, NoFit, NodeView};
 use cube_proto::nodev1::node_client::NodeClient;
 use cube_proto::nodev1::{Capacity, NodeStatusRequest, NodeStatusResponse};
+use cube_proto::retry::Retrying;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 use tonic::transport::{Channel, Endpoint};
@@ -40,7 +41,11 @@ pub enum Health {
 pub struct Node {
     /// gRPC address the master uses (from the config or the registration).
     pub address: String,
-    pub client: NodeClient<Channel>,
+    /// For sandbox operations: resends a call that fails in transport for up to
+    /// [`NODE_RETRY`], so a cubelet restart is a short wait, not a failed operation.
+    pub client: NodeClient<Retrying>,
+    /// For status polls: one try, so a node that went away is noticed at once.
+    pub probe: NodeClient<Channel>,
     /// The latest view of the node: its NodeStatus answer (static) or one built from its
     /// registration and heartbeats (registered).
     pub status: Option<NodeStatusResponse>,
@@ -74,12 +79,24 @@ pub struct Node {
     pub db_synced: bool,
 }
 
-fn client_for(address: &str) -> Result<NodeClient<Channel>, crate::MasterError> {
+/// How long a sandbox operation keeps resending to a node that refuses or drops connections:
+/// longer than a cubelet restart (about 2 s), shorter than a client's patience. Every node call
+/// is safe to send twice: kills are idempotent, and a create names its sandbox, which the node
+/// either finishes, refuses as existing, or (restarted) has reaped half-made.
+pub const NODE_RETRY: Duration = Duration::from_secs(5);
+
+type Clients = (NodeClient<Retrying>, NodeClient<Channel>);
+
+fn client_for(address: &str) -> Result<Clients, crate::MasterError> {
     // Over mutual TLS when the master's `[tls]` is set (cube_proto::tls::set_process_tls).
     let ep = cube_proto::tls::client_endpoint(address)
         .map_err(|e| crate::MasterError::InvalidArgument(format!("node address {address:?}: {e}")))?
         .connect_timeout(Duration::from_secs(2));
-    Ok(NodeClient::new(ep.connect_lazy()))
+    let ch = ep.connect_lazy();
+    Ok((
+        NodeClient::new(Retrying::new(ch.clone(), NODE_RETRY, "node")),
+        NodeClient::new(ch),
+    ))
 }
 
 /// Checks a node's gRPC address without connecting.
@@ -96,9 +113,11 @@ pub fn check_address(address: &str) -> Result<(), crate::MasterError> {
 
 impl Node {
     fn new(address: &str, origin: Origin) -> Result<Node, crate::MasterError> {
+        let (client, probe) = client_for(address)?;
         Ok(Node {
             address: address.to_string(),
-            client: client_for(address)?,
+            client,
+            probe,
             status: None,
             misses: 0,
             ready: false,
@@ -337,7 +356,7 @@ impl Nodes {
         };
         if let Some(n) = g.iter_mut().find(|n| n.node_id == r.node_id) {
             if n.address != r.address {
-                n.client = client_for(&r.address)?;
+                (n.client, n.probe) = client_for(&r.address)?;
                 n.address = r.address.clone();
             }
             n.status = Some(status(n.status.as_ref()));
@@ -442,7 +461,7 @@ impl Nodes {
             .collect();
         let polled_at = crate::now_ms();
         let polls = statics.into_iter().map(|n| async move {
-            let mut c = n.client.clone();
+            let mut c = n.probe.clone();
             let r =
                 tokio::time::timeout(Duration::from_secs(2), c.node_status(NodeStatusRequest {}))
                     .await;

@@ -3,6 +3,7 @@
 use crate::apikey;
 use crate::catalog;
 use crate::db::SandboxRow;
+use crate::error::MasterError;
 use crate::service::{Controller, CreateParams, ListParams};
 use crate::snapshots::Snapshots;
 use crate::state::SandboxState;
@@ -20,6 +21,17 @@ impl MasterService {
     pub fn new(ctl: Arc<Controller>) -> MasterServer<MasterService> {
         MasterServer::new(MasterService { ctl })
     }
+}
+
+/// Runs a state-changing operation to its end in a task of its own. A client that goes away
+/// (cube-api restarted, a deadline) drops the handler's future; an operation cut short there
+/// would leave its sandbox in a passing state (`creating`, `killing`, `pausing`) for good.
+async fn to_end<T: Send + 'static>(
+    op: impl std::future::Future<Output = Result<T, MasterError>> + Send + 'static,
+) -> Result<T, MasterError> {
+    tokio::spawn(op)
+        .await
+        .map_err(|e| MasterError::Internal(format!("operation task: {e}")))?
 }
 
 pub fn to_info(ctl: &Controller, r: &SandboxRow) -> pb::SandboxInfo {
@@ -86,24 +98,23 @@ impl Master for MasterService {
             &r.deny_out,
             r.dns_servers.as_ref().map(|d| d.servers.as_slice()),
         )?;
-        let res = self
-            .ctl
-            .create(CreateParams {
-                team_id: r.team_id,
-                template: r.template,
-                timeout_s: r.timeout_s,
-                metadata: r.metadata.into_iter().collect(),
-                env_vars: r.env_vars.into_iter().collect(),
-                allow_internet: r.allow_internet,
-                auto_pause: r.auto_pause,
-                auto_resume: r.auto_resume,
-                auto_pause_filesystem: r.auto_pause_filesystem,
-                idempotency_key: r.idempotency_key,
-                private_ports: r.private_ports,
-                mask_request_host: r.mask_request_host,
-                egress,
-            })
-            .await;
+        let ctl = self.ctl.clone();
+        let p = CreateParams {
+            team_id: r.team_id,
+            template: r.template,
+            timeout_s: r.timeout_s,
+            metadata: r.metadata.into_iter().collect(),
+            env_vars: r.env_vars.into_iter().collect(),
+            allow_internet: r.allow_internet,
+            auto_pause: r.auto_pause,
+            auto_resume: r.auto_resume,
+            auto_pause_filesystem: r.auto_pause_filesystem,
+            idempotency_key: r.idempotency_key,
+            private_ports: r.private_ports,
+            mask_request_host: r.mask_request_host,
+            egress,
+        };
+        let res = to_end(async move { ctl.create(p).await }).await;
         let m = &self.ctl.metrics;
         let row = match res {
             Ok(row) => {
@@ -164,10 +175,12 @@ impl Master for MasterService {
         req: Request<pb::SandboxRef>,
     ) -> Result<Response<pb::KillSandboxResponse>, Status> {
         let r = req.into_inner();
-        let existed = self
-            .ctl
-            .kill(&r.team_id, &r.sandbox_id, "killed by request")
-            .await?;
+        let ctl = self.ctl.clone();
+        let existed = to_end(async move {
+            ctl.kill(&r.team_id, &r.sandbox_id, "killed by request")
+                .await
+        })
+        .await?;
         Ok(Response::new(pb::KillSandboxResponse { existed }))
     }
 
@@ -205,15 +218,17 @@ impl Master for MasterService {
         req: Request<pb::PauseSandboxRequest>,
     ) -> Result<Response<pb::SandboxInfo>, Status> {
         let r = req.into_inner();
-        let row = self
-            .ctl
-            .pause_with(
+        let ctl = self.ctl.clone();
+        let row = to_end(async move {
+            ctl.pause_with(
                 &r.team_id,
                 &r.sandbox_id,
                 r.require_healthy_guest,
                 r.filesystem_only,
             )
-            .await?;
+            .await
+        })
+        .await?;
         Ok(Response::new(to_info(&self.ctl, &row)))
     }
 
@@ -222,10 +237,12 @@ impl Master for MasterService {
         req: Request<pb::ConnectSandboxRequest>,
     ) -> Result<Response<pb::ConnectSandboxResponse>, Status> {
         let r = req.into_inner();
-        let (row, resumed) = self
-            .ctl
-            .connect_with(&r.team_id, &r.sandbox_id, r.timeout_s, r.reboot)
-            .await?;
+        let ctl = self.ctl.clone();
+        let (row, resumed) = to_end(async move {
+            ctl.connect_with(&r.team_id, &r.sandbox_id, r.timeout_s, r.reboot)
+                .await
+        })
+        .await?;
         Ok(Response::new(pb::ConnectSandboxResponse {
             sandbox: Some(to_info(&self.ctl, &row)),
             resumed,

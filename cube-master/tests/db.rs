@@ -262,6 +262,29 @@ async fn idempotency_keys_claim_once_per_team(url: String) {
             .unwrap(),
         None
     );
+    // At a master's start, keys whose create never recorded its sandbox go; a key whose
+    // sandbox has a row stays.
+    db.insert_sandbox(&row("held")).await.unwrap();
+    for (k, id) in [("k-rowless", "never-inserted"), ("k-held", "held")] {
+        assert_eq!(
+            db.claim_idempotency_key("t", k, id, "fp").await.unwrap(),
+            None
+        );
+    }
+    assert!(db.release_unrecorded_idempotency_keys().await.unwrap() >= 1);
+    assert_eq!(
+        db.claim_idempotency_key("t", "k-rowless", "x", "fp")
+            .await
+            .unwrap(),
+        None,
+        "released"
+    );
+    assert_eq!(
+        db.claim_idempotency_key("t", "k-held", "x", "fp")
+            .await
+            .unwrap(),
+        Some(("held".to_string(), "fp".to_string()))
+    );
     // The lifecycle columns round-trip.
     let mut r = row("lc");
     r.auto_pause = 1;

@@ -36,5 +36,6 @@ pub fn now_ms() -> i64 {
 
 pub mod isolation;
 pub mod logging;
+pub mod retry;
 pub mod systemd;
 pub mod tls;

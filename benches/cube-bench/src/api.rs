@@ -173,8 +173,21 @@ impl Client {
         path: &str,
         body: Option<Value>,
     ) -> Result<Response, ApiError> {
+        self.api_call_with(method, path, body, None).await
+    }
+
+    async fn api_call_with(
+        &mut self,
+        method: &str,
+        path: &str,
+        body: Option<Value>,
+        idempotency_key: Option<&str>,
+    ) -> Result<Response, ApiError> {
         let key = self.s.api_key.clone();
         let mut h = vec![("x-api-key", key.as_str())];
+        if let Some(k) = idempotency_key {
+            h.push(("idempotency-key", k));
+        }
         if body.is_some() {
             h.push(("content-type", "application/json"));
         }
@@ -184,9 +197,21 @@ impl Client {
 
     /// `POST /v2/sandboxes`: returns once the server says the agent answers (201).
     pub async fn create(&mut self, template: &str) -> Result<Sandbox, ApiError> {
+        self.create_keyed(template, None).await
+    }
+
+    /// `create` with an `Idempotency-Key`: a retry with the same key answers with the same
+    /// sandbox, so a client may resend a create whose answer it lost.
+    pub async fn create_keyed(
+        &mut self,
+        template: &str,
+        key: Option<&str>,
+    ) -> Result<Sandbox, ApiError> {
         let body = json!({"templateID": template, "timeout": self.s.sandbox_timeout_s,
                           "metadata": {"cube-bench": "1"}});
-        let r = self.api_call("POST", "/v2/sandboxes", Some(body)).await?;
+        let r = self
+            .api_call_with("POST", "/v2/sandboxes", Some(body), key)
+            .await?;
         expect("create", &r, &[201])?;
         parse_sandbox("create", &json_body("create", &r)?)
     }

@@ -10,8 +10,10 @@ mod micro;
 mod plot;
 mod report;
 mod runtimes;
+mod soak;
 mod stats;
 mod suite;
+mod target;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
@@ -21,6 +23,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use target::{find_cubectl, Target, TargetArgs};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -43,6 +46,9 @@ enum Cmd {
     Vmm(MicroArgs),
     /// Redraw the plots and markdown of a finished run from its cube-bench.json.
     Plot(PlotArgs),
+    /// Create / use / kill cycles at a chosen concurrency, optionally SIGKILLing each daemon of
+    /// a `cubectl up` install on a schedule, then a check for leaks on the node and the master.
+    Soak(soak::SoakArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -107,15 +113,8 @@ struct RunArgs {
     /// About one minute: concurrency 1,5,10, few samples, density up to --density-max (default 20).
     #[arg(long)]
     quick: bool,
-    #[arg(long, env = "E2B_API_URL", hide_env_values = true)]
-    api_url: Option<String>,
-    #[arg(long, env = "E2B_SANDBOX_URL", hide_env_values = true)]
-    sandbox_url: Option<String>,
-    #[arg(long, env = "E2B_API_KEY", hide_env_values = true)]
-    api_key: Option<String>,
-    /// Template to create sandboxes from.
-    #[arg(long, env = "CUBE_BENCH_TEMPLATE", default_value = "base")]
-    template: String,
+    #[command(flatten)]
+    target: TargetArgs,
     /// Concurrency levels (default 1,5,10,20,50; --quick 1,5,10).
     #[arg(long, value_delimiter = ',')]
     concurrency: Option<Vec<usize>>,
@@ -146,9 +145,6 @@ struct RunArgs {
     /// Repetitions per dirty size (default 3; --quick 1).
     #[arg(long)]
     reps: Option<usize>,
-    /// Per-request timeout, seconds.
-    #[arg(long, default_value_t = 120)]
-    request_timeout_s: u64,
     /// TrueType font for the plots (default: DejaVu Sans or any .ttf under /usr/share/fonts).
     #[arg(long)]
     font: Option<PathBuf>,
@@ -174,15 +170,6 @@ struct RunArgs {
     /// With --runtime: size of each stack's sparse XFS image, GiB (`cubectl up --xfs-size-gib`).
     #[arg(long, default_value_t = 16)]
     xfs_size_gib: u32,
-}
-
-/// The Cube a suite runs against.
-struct Target {
-    api_url: String,
-    sandbox_url: String,
-    api_key: String,
-    /// The master `cubectl nodes` asks (else cubectl's own default).
-    master_url: Option<String>,
 }
 
 fn unix_now() -> u64 {
@@ -268,18 +255,6 @@ fn run_with_deadline(mut cmd: Command, deadline: Duration) -> Option<String> {
 }
 
 /// The cubectl binary: `explicit`, else next to cube-bench, else on PATH.
-fn find_cubectl(explicit: Option<&Path>) -> Option<PathBuf> {
-    explicit.map(Path::to_path_buf).or_else(|| {
-        let here = std::env::current_exe().ok()?.parent()?.join("cubectl");
-        if here.is_file() {
-            return Some(here);
-        }
-        std::env::split_paths(&std::env::var_os("PATH")?)
-            .map(|d| d.join("cubectl"))
-            .find(|p| p.is_file())
-    })
-}
-
 fn cubectl_nodes(explicit: Option<&Path>, master: Option<&str>) -> Option<Value> {
     let mut cmd = Command::new(find_cubectl(explicit)?);
     if let Some(m) = master {
@@ -379,24 +354,12 @@ fn plan(a: &RunArgs, api_local: bool, api_url: &str) -> Result<suite::Plan> {
     })
 }
 
-fn required(v: &Option<String>, flag: &str, env: &str) -> Result<String> {
-    match v {
-        Some(s) if !s.trim().is_empty() => Ok(s.trim().to_string()),
-        _ => bail!("{env} is not set (or pass {flag}); `cubectl up` / deploy/dev-up.sh print E2B_API_URL, E2B_SANDBOX_URL and E2B_API_KEY"),
-    }
-}
-
 async fn run_main(a: RunArgs) -> Result<()> {
     let out = a.out.clone().unwrap_or_else(|| default_out(""));
     if !a.runtime.is_empty() {
         return run_runtimes(&a, out).await;
     }
-    let target = Target {
-        api_url: required(&a.api_url, "--api-url", "E2B_API_URL")?,
-        sandbox_url: required(&a.sandbox_url, "--sandbox-url", "E2B_SANDBOX_URL")?,
-        api_key: required(&a.api_key, "--api-key", "E2B_API_KEY")?,
-        master_url: None,
-    };
+    let target = a.target.resolve()?;
     run_suite(&a, &target, &out).await.map(|_| ())
 }
 
@@ -479,14 +442,7 @@ async fn run_suite(a: &RunArgs, t: &Target, out: &Path) -> Result<Report> {
     let started = Instant::now();
     let started_unix = unix_now();
     let (api_url, sandbox_url) = (t.api_url.clone(), t.sandbox_url.clone());
-    let settings = api::Settings {
-        api: http::Endpoint::parse(&api_url)?,
-        edge: http::Endpoint::parse(&sandbox_url)?,
-        api_key: t.api_key.clone(),
-        template: a.template.clone(),
-        sandbox_timeout_s: 3600,
-        request_timeout: Duration::from_secs(a.request_timeout_s.max(1)),
-    };
+    let settings = a.target.settings(t)?;
     let api_local = settings.api.is_loopback();
     let plan = plan(a, api_local, &api_url)?;
     let font = match plot::load_font(a.font.as_deref()) {
@@ -506,13 +462,13 @@ async fn run_suite(a: &RunArgs, t: &Target, out: &Path) -> Result<Report> {
     );
     eprintln!(
         "API {api_url}, edge {sandbox_url}, template {:?}",
-        a.template
+        a.target.template
     );
     let mut c = api::Client::new(settings.clone());
-    let sb = c.create(&a.template).await.with_context(|| {
+    let sb = c.create(&a.target.template).await.with_context(|| {
         format!(
             "preflight: cannot create a sandbox of template {:?} at {api_url}",
-            a.template
+            a.target.template
         )
     })?;
     let pre = async {
@@ -586,7 +542,7 @@ async fn run_suite(a: &RunArgs, t: &Target, out: &Path) -> Result<Report> {
         versions,
         api_url: api_url.clone(),
         sandbox_url: sandbox_url.clone(),
-        template: a.template.clone(),
+        template: a.target.template.clone(),
         api_local,
         nodes,
     };
@@ -732,6 +688,11 @@ fn main() -> Result<()> {
     match cli.cmd {
         Some(Cmd::Vmm(a)) => micro_main(a),
         Some(Cmd::Plot(a)) => plot_main(a),
+        Some(Cmd::Soak(a)) => tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .context("starting the tokio runtime")?
+            .block_on(soak::main(a)),
         None => tokio::runtime::Builder::new_multi_thread()
             .enable_all()
             .build()
