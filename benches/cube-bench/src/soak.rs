@@ -185,6 +185,34 @@ impl Shared {
     }
 }
 
+/// `n` clients sharing one count of `cycles`.
+fn start_clients(
+    settings: &crate::api::Settings,
+    run: String,
+    n: usize,
+    cycles: usize,
+    template: &str,
+) -> (Arc<Shared>, Vec<tokio::task::JoinHandle<()>>) {
+    let s = Arc::new(Shared {
+        run,
+        t0: Instant::now(),
+        next: AtomicUsize::new(0),
+        ops: Mutex::default(),
+        failures: Mutex::default(),
+    });
+    let tasks = (0..n)
+        .map(|_| {
+            tokio::spawn(client(
+                Client::new(settings.clone()),
+                s.clone(),
+                cycles,
+                template.to_string(),
+            ))
+        })
+        .collect();
+    (s, tasks)
+}
+
 /// One client: cycles until the run's count is reached.
 async fn client(mut c: Client, s: Arc<Shared>, cycles: usize, template: String) {
     loop {
@@ -562,23 +590,13 @@ pub async fn main(a: SoakArgs) -> Result<()> {
             .map(|d| d.as_nanos())
             .unwrap_or(0)
     );
-    let warm = Arc::new(Shared {
-        run: format!("{run}-warm"),
-        t0: Instant::now(),
-        next: AtomicUsize::new(0),
-        ops: Mutex::default(),
-        failures: Mutex::default(),
-    });
-    let tasks: Vec<_> = (0..a.concurrency)
-        .map(|_| {
-            tokio::spawn(client(
-                Client::new(settings.clone()),
-                warm.clone(),
-                a.concurrency * 2,
-                template.clone(),
-            ))
-        })
-        .collect();
+    let (warm, tasks) = start_clients(
+        &settings,
+        format!("{run}-warm"),
+        a.concurrency,
+        a.concurrency * 2,
+        &template,
+    );
     for t in tasks {
         t.await.context("warm-up client")?;
     }
@@ -618,23 +636,7 @@ pub async fn main(a: SoakArgs) -> Result<()> {
             String::new()
         }
     );
-    let s = Arc::new(Shared {
-        run,
-        t0: Instant::now(),
-        next: AtomicUsize::new(0),
-        ops: Mutex::default(),
-        failures: Mutex::default(),
-    });
-    let tasks: Vec<_> = (0..a.concurrency)
-        .map(|_| {
-            tokio::spawn(client(
-                Client::new(settings.clone()),
-                s.clone(),
-                a.cycles,
-                template.clone(),
-            ))
-        })
-        .collect();
+    let (s, tasks) = start_clients(&settings, run, a.concurrency, a.cycles, &template);
     let mut kills = Vec::new();
     if let (Some(i), Some(ctl), true) = (&inst, &cubectl, a.kill_every > 0) {
         let mut n = 0;
