@@ -1157,6 +1157,96 @@ async fn pooled_endpoints_without_their_namespace_are_not_handed_out() {
     c.assert_clean();
 }
 
+/// The node's data disk full (its XFS filled by a file outside any sandbox): creates and
+/// filesystem-only pauses either work or fail with an error that says so, a running sandbox
+/// keeps running and keeps what it had, nothing is left half-made, and once space is back the
+/// node creates again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_data_disk_fails_clearly_and_keeps_running_sandboxes() {
+    cube_testkit::require_priv!("cubelet::disk_full");
+    let mut c = Cubelet::new("dfull", Opts::default());
+    let mut cl = c.start().await;
+    let sb = cl
+        .create_sandbox(create_req("df1"))
+        .await
+        .unwrap()
+        .into_inner();
+    let (code, out) = sh(
+        &sb,
+        "echo before > $HOME/kept && sync && cat $HOME/kept 2>&1",
+    )
+    .await;
+    assert_eq!(out, "before\n", "exit {code}");
+    // Fill the node's filesystem (what is left of it, less nothing).
+    let filler = c.data().join("filler");
+    let c_path = std::ffi::CString::new(c.data().as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: valid C string and a local out-buffer.
+    let mut fs: libc::statvfs = unsafe { std::mem::zeroed() };
+    assert_eq!(unsafe { libc::statvfs(c_path.as_ptr(), &mut fs) }, 0);
+    let free = fs.f_bavail * fs.f_frsize;
+    // Extend the filler by halving chunks until not even a block fits.
+    let f = std::fs::File::create(&filler).unwrap();
+    let (mut len, mut chunk) = (0i64, free as i64);
+    while chunk >= 4096 {
+        // SAFETY: fallocate on a file we own.
+        let r = unsafe {
+            use std::os::fd::AsRawFd;
+            libc::fallocate(f.as_raw_fd(), 0, len, chunk)
+        };
+        if r == 0 {
+            len += chunk;
+        } else {
+            chunk /= 2;
+        }
+    }
+    assert!(len > 0);
+    drop(f);
+    let mut made = Vec::new();
+    for i in 0..3 {
+        let id = format!("dfx{i}");
+        match cl.create_sandbox(create_req(&id)).await {
+            Ok(s) => made.push(s.into_inner()),
+            Err(e) => {
+                eprintln!("create on a full disk: {:?}: {}", e.code(), e.message());
+                let m = e.message().to_lowercase();
+                assert!(
+                    m.contains("no space") || m.contains("disk") && m.contains("full"),
+                    "a create on a full disk failed without saying why: {e:?}"
+                );
+                assert!(
+                    !c.data().join("sandboxes").join(&id).exists(),
+                    "a failed create left its directory"
+                );
+            }
+        }
+    }
+    eprintln!("creates on a full disk: {} of 3 made", made.len());
+    // The running sandbox keeps running and keeps its file (writes may fail: the disk is full).
+    assert_eq!(sh(&sb, "cat $HOME/kept").await.1, "before\n");
+    let (code, out) = sh(&sb, "echo x > $HOME/new 2>&1; sync; echo rc=$?").await;
+    eprintln!("a write inside on a full disk: code {code}, {out:?}");
+    assert_eq!(sh(&sb, "echo alive").await.1, "alive\n");
+    // Space back: creates work again, and everything goes cleanly.
+    std::fs::remove_file(&filler).unwrap();
+    let again = cl
+        .create_sandbox(create_req("df2"))
+        .await
+        .unwrap_or_else(|e| panic!("create after space came back: {e:?}\n{}", c.log()))
+        .into_inner();
+    assert_eq!(sh(&again, "echo ok").await.1, "ok\n");
+    for id in ["df1", "df2"]
+        .into_iter()
+        .map(String::from)
+        .chain(made.iter().map(|s| s.sandbox_id.clone()))
+    {
+        cl.kill_sandbox(pb::SandboxRef { sandbox_id: id })
+            .await
+            .unwrap();
+    }
+    c.stop();
+    c.assert_clean();
+}
+
 /// The default `base` template (bookworm minbase + bash, coreutils, python3, CA certificates)
 /// built through debootstrap. The debootstrap root is cached in /var/cache/cube/templates keyed
 /// by the recipe, so only the first run on a machine reaches Debian's mirror (~2 min).
