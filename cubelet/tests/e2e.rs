@@ -1177,6 +1177,21 @@ async fn a_full_data_disk_fails_clearly_and_keeps_running_sandboxes() {
     )
     .await;
     assert_eq!(out, "before\n", "exit {code}");
+    // A template to import later, staged while there is room.
+    let layout = c.staging().join("oci-full");
+    cubelet::oci::write_test_layout(
+        &layout,
+        &[vec![("etc/os", b"oci\n")]],
+        &serde_json::json!({"config": {"Cmd": ["/bin/sh"]}}),
+    )
+    .unwrap();
+    let import = pb::ImportTemplateRequest {
+        name: "fulltpl".into(),
+        source: Some(pb::import_template_request::Source::OciPath(
+            layout.display().to_string(),
+        )),
+        extra_mib: 0,
+    };
     // Fill the node's filesystem (what is left of it, less nothing).
     let filler = c.data().join("filler");
     let c_path = std::ffi::CString::new(c.data().as_os_str().as_encoded_bytes()).unwrap();
@@ -1221,6 +1236,25 @@ async fn a_full_data_disk_fails_clearly_and_keeps_running_sandboxes() {
         }
     }
     eprintln!("creates on a full disk: {} of 3 made", made.len());
+    // A template build on a full disk fails saying so, and registers nothing.
+    let e = cl.import_template(import.clone()).await.unwrap_err();
+    eprintln!(
+        "template import on a full disk: {:?}: {}",
+        e.code(),
+        e.message()
+    );
+    assert!(
+        e.message().to_lowercase().contains("no space"),
+        "a template build on a full disk failed without saying why: {e:?}"
+    );
+    let names = |l: pb::ListTemplatesResponse| -> Vec<String> {
+        l.templates.into_iter().map(|t| t.name).collect()
+    };
+    let l = cl
+        .list_templates(pb::ListTemplatesRequest {})
+        .await
+        .unwrap();
+    assert_eq!(names(l.into_inner()), vec!["mini"]);
     // The running sandbox keeps running and keeps its file (writes may fail: the disk is full).
     assert_eq!(sh(&sb, "cat $HOME/kept").await.1, "before\n");
     let (code, out) = sh(&sb, "echo x > $HOME/new 2>&1; sync; echo rc=$?").await;
@@ -1234,6 +1268,13 @@ async fn a_full_data_disk_fails_clearly_and_keeps_running_sandboxes() {
         .unwrap_or_else(|e| panic!("create after space came back: {e:?}\n{}", c.log()))
         .into_inner();
     assert_eq!(sh(&again, "echo ok").await.1, "ok\n");
+    // And the same template build now goes through.
+    cl.import_template(import).await.unwrap();
+    let l = cl
+        .list_templates(pb::ListTemplatesRequest {})
+        .await
+        .unwrap();
+    assert_eq!(names(l.into_inner()), vec!["fulltpl", "mini"]);
     for id in ["df1", "df2"]
         .into_iter()
         .map(String::from)
