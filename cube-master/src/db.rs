@@ -562,13 +562,19 @@ impl Db {
         Ok(())
     }
 
-    /// Deletes keys whose create never recorded its sandbox (its master died between claiming
-    /// the key and inserting the row): no create will ever answer under them. Only safe while
-    /// no create is in flight (at a master's start). Returns how many.
-    pub async fn release_unrecorded_idempotency_keys(&self) -> Result<u64, MasterError> {
+    /// Deletes keys claimed before `claimed_before_ms` whose create never recorded its sandbox
+    /// (its master died between claiming the key and inserting the row, or the database
+    /// refused the insert and then the release): no create will ever answer under them. Keys
+    /// of creates in flight must be younger than the bound. Returns how many.
+    pub async fn release_unrecorded_idempotency_keys(
+        &self,
+        claimed_before_ms: i64,
+    ) -> Result<u64, MasterError> {
         let r = sqlx::query(
-            "DELETE FROM idempotency_keys WHERE sandbox_id NOT IN (SELECT id FROM sandboxes)",
+            "DELETE FROM idempotency_keys WHERE created_at_ms < $1 \
+             AND sandbox_id NOT IN (SELECT id FROM sandboxes)",
         )
+        .bind(claimed_before_ms)
         .execute(&self.pool)
         .await?;
         Ok(r.rows_affected())

@@ -86,6 +86,9 @@ pub fn node_info(n: &Node) -> pb::NodeInfo {
 
 /// The reason a create cut short by its master's end is failed with.
 pub const INTERRUPTED_CREATE: &str = "create interrupted: the master restarted before it finished";
+/// Why the reaper fails a create whose end went unrecorded.
+pub const UNRECORDED_CREATE: &str =
+    "create failed: its outcome could not be recorded (the database was unavailable)";
 
 impl Controller {
     /// Creates a one-time join token; only its hash is stored.
@@ -543,26 +546,36 @@ impl Controller {
     pub async fn fail_interrupted_creates(&self) -> Result<usize, MasterError> {
         // A key claimed by a create that died before recording its sandbox has no row to
         // answer with: a retry under it would wait for that create forever.
-        let keys = self.db.release_unrecorded_idempotency_keys().await?;
+        let keys = self
+            .db
+            .release_unrecorded_idempotency_keys(crate::now_ms() + 1)
+            .await?;
         if keys > 0 {
             tracing::warn!(
                 keys,
                 "released idempotency keys of creates that never recorded a sandbox"
             );
         }
+        self.fail_unowned_creates(INTERRUPTED_CREATE).await
+    }
+
+    /// Fails each `creating` row that no create of this master is working on (a create holds
+    /// the sandbox's lock from before it inserts the row until it has recorded its end): its
+    /// create died with an earlier master, or could not record its outcome because the
+    /// database was away. Run at start and by the reaper.
+    pub async fn fail_unowned_creates(&self, reason: &str) -> Result<usize, MasterError> {
         let mut n = 0;
         for r in self.db.list_in_states(&[SandboxState::Creating]).await? {
+            let lock = self.lock_for(&r.id);
+            let Ok(_g) = lock.try_lock() else {
+                continue;
+            };
             if self
                 .db
-                .transition(
-                    &r.id,
-                    SandboxState::Creating,
-                    SandboxState::Failed,
-                    INTERRUPTED_CREATE,
-                )
+                .transition(&r.id, SandboxState::Creating, SandboxState::Failed, reason)
                 .await?
             {
-                tracing::warn!(sandbox = %r.id, node = %r.node_id, "{INTERRUPTED_CREATE}");
+                tracing::warn!(sandbox = %r.id, node = %r.node_id, "{reason}");
                 n += 1;
             }
         }

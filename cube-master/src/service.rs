@@ -452,52 +452,25 @@ impl Controller {
                 match self.create_on(&n, &row, &p, pinned_snapshot).await {
                     Ok(sb) => {
                         self.nodes.placed(&n.address);
-                        row.node_id = n.id();
-                        row.agent_address = sb.agent_address.clone();
-                        row.host_interface = sb.host_interface.clone();
-                        row.build = sb.build.clone();
-                        row.runtime = sb.runtime.clone();
-                        row.disk_mib = sb.shape.as_ref().map(|s| s.disk_mib as i64).unwrap_or(0);
-                        row.envd_version = self
-                            .probe_envd_version(&row.agent_address, &row.host_interface)
-                            .await
-                            .unwrap_or_else(|| self.cfg.default_envd_version.clone());
-                        self.db.set_placement(&row).await?;
-                        // The timeout counts from when the sandbox is usable.
-                        let start = crate::now_ms();
-                        row.started_at_ms = start;
-                        row.end_at_ms = start + (p.timeout_s as i64) * 1000;
-                        self.set_end(&row, row.end_at_ms).await?;
-                        if !self
-                            .db
-                            .transition(
-                                &row.id,
-                                SandboxState::Creating,
-                                SandboxState::Running,
-                                "created",
-                            )
-                            .await?
-                        {
-                            return Err(MasterError::Internal(format!(
-                                "sandbox {} left creating meanwhile",
-                                row.id
-                            )));
-                        }
-                        row.state = SandboxState::Running.as_str().into();
-                        tracing::info!(node = %row.node_id, agent = %row.agent_address, "sandbox running");
-                        return Ok(row);
+                        return match self.record_created(&n, &mut row, &p, &sb).await {
+                            Ok(()) => {
+                                tracing::info!(node = %row.node_id, agent = %row.agent_address, "sandbox running");
+                                Ok(row)
+                            }
+                            Err(e) => {
+                                // The node runs it but the row cannot say so (the database
+                                // is away): it goes, so that no sandbox runs unrecorded.
+                                tracing::warn!(node = %n.address, error = %e, "recording a created sandbox failed; killing it");
+                                self.kill_on(&n, &row.id).await;
+                                self.fail_create(&row.id, &e).await;
+                                Err(e)
+                            }
+                        };
                     }
                     Err(e) => {
                         tracing::warn!(node = %n.address, error = %e, "create failed on node");
                         // Whatever the node managed to set up goes (kill is idempotent).
-                        let mut c = n.client.clone();
-                        let _ = tokio::time::timeout(
-                            Duration::from_secs(30),
-                            c.kill_sandbox(node::SandboxRef {
-                                sandbox_id: row.id.clone(),
-                            }),
-                        )
-                        .await;
+                        self.kill_on(&n, &row.id).await;
                         let fatal = matches!(&e, MasterError::Node { status, .. }
                             if status.code() == tonic::Code::InvalidArgument);
                         last_err = Some(e);
@@ -509,19 +482,84 @@ impl Controller {
                 }
             }
             let err = last_err.unwrap_or_else(|| MasterError::Unavailable("no node".into()));
-            let _ = self
-                .db
-                .transition(
-                    &row.id,
-                    SandboxState::Creating,
-                    SandboxState::Failed,
-                    &err.to_string(),
-                )
-                .await;
+            self.fail_create(&row.id, &err).await;
             Err(err)
         }
         .instrument(span)
         .await
+    }
+
+    /// Records a sandbox the node created: placement, end time, `running`.
+    async fn record_created(
+        &self,
+        n: &Node,
+        row: &mut SandboxRow,
+        p: &CreateParams,
+        sb: &node::Sandbox,
+    ) -> Result<(), MasterError> {
+        row.node_id = n.id();
+        row.agent_address = sb.agent_address.clone();
+        row.host_interface = sb.host_interface.clone();
+        row.build = sb.build.clone();
+        row.runtime = sb.runtime.clone();
+        row.disk_mib = sb.shape.as_ref().map(|s| s.disk_mib as i64).unwrap_or(0);
+        row.envd_version = self
+            .probe_envd_version(&row.agent_address, &row.host_interface)
+            .await
+            .unwrap_or_else(|| self.cfg.default_envd_version.clone());
+        self.db.set_placement(row).await?;
+        // The timeout counts from when the sandbox is usable.
+        let start = crate::now_ms();
+        row.started_at_ms = start;
+        row.end_at_ms = start + (p.timeout_s as i64) * 1000;
+        self.set_end(row, row.end_at_ms).await?;
+        if !self
+            .db
+            .transition(
+                &row.id,
+                SandboxState::Creating,
+                SandboxState::Running,
+                "created",
+            )
+            .await?
+        {
+            return Err(MasterError::Internal(format!(
+                "sandbox {} left creating meanwhile",
+                row.id
+            )));
+        }
+        row.state = SandboxState::Running.as_str().into();
+        Ok(())
+    }
+
+    /// Kills what a create made on `n` (kill is idempotent; a failure is left to reconcile).
+    async fn kill_on(&self, n: &Node, id: &str) {
+        let mut c = n.client.clone();
+        let _ = tokio::time::timeout(
+            Duration::from_secs(30),
+            c.kill_sandbox(node::SandboxRef {
+                sandbox_id: id.to_string(),
+            }),
+        )
+        .await;
+    }
+
+    /// Marks a create `failed` with its error. If the database refuses even that, the row
+    /// stays `creating` with no create holding it, and the reaper fails it later
+    /// ([`Controller::fail_unowned_creates`]).
+    async fn fail_create(&self, id: &str, err: &MasterError) {
+        let r = self
+            .db
+            .transition(
+                id,
+                SandboxState::Creating,
+                SandboxState::Failed,
+                &err.to_string(),
+            )
+            .await;
+        if let Err(e) = r {
+            tracing::warn!(sandbox = %id, error = %e, "could not mark a failed create; the reaper will");
+        }
     }
 
     async fn create_on(
@@ -1170,6 +1208,17 @@ impl Controller {
                 }
             }
         }
+        let unrecorded = self
+            .fail_unowned_creates(crate::lifecycle::UNRECORDED_CREATE)
+            .await?;
+        if unrecorded > 0 {
+            tracing::warn!(unrecorded, "failed creates whose outcome went unrecorded");
+        }
+        // Keys whose create could record neither its row nor the key's release; any create
+        // in flight claimed its key within its create timeout.
+        let stale = crate::now_ms()
+            .saturating_sub(i64::try_from(self.cfg.create_timeout_ms).unwrap_or(i64::MAX));
+        self.db.release_unrecorded_idempotency_keys(stale).await?;
         if self.cfg.idempotency_retention_s > 0 {
             let now = crate::now_ms();
             let before = now.saturating_sub(

@@ -143,6 +143,8 @@ pub struct FakeNode {
     pub max: u32,
     pub templates: Vec<String>,
     pub fail_create: bool,
+    /// How long each create takes (a real node clones, starts, initialises).
+    pub create_delay_ms: u64,
     pub sandboxes: Mutex<BTreeMap<String, i32>>,
     /// When each sandbox was created (unix ms; absent = 0, long ago).
     pub created_ms: Mutex<BTreeMap<String, u64>>,
@@ -200,6 +202,9 @@ impl Node for Handle {
         self.0.creates.fetch_add(1, Ordering::SeqCst);
         if self.0.fail_create {
             return Err(Status::internal("disk clone failed"));
+        }
+        if self.0.create_delay_ms > 0 {
+            tokio::time::sleep(std::time::Duration::from_millis(self.0.create_delay_ms)).await;
         }
         let r = r.into_inner();
         let st = pb::SandboxState::Running as i32;

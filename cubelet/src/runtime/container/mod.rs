@@ -783,7 +783,12 @@ impl<L: Launcher> Container<L> {
                 .mode(0o700)
                 .create(&image2)
                 .map_err(|e| format!("{}: {e}", image2.display()))?;
-            launcher.checkpoint_and_stop(&st2, &image2)
+            let r = launcher.checkpoint_and_stop(&st2, &image2);
+            if r.is_err() {
+                // A half-written image (the disk filled up) is no pause: the sandbox runs on.
+                let _ = std::fs::remove_dir_all(&image2);
+            }
+            r
         })
         .await
         .map_err(task)?

@@ -162,6 +162,21 @@ impl Gvisor {
     }
 
     /// Deletes runsc's record of a container and the bundle with its root mount.
+    /// `runsc pause` (the Sentry stops every task) and `checkpoint --leave-running` into
+    /// `image`, leaving the sandbox paused. A failed save (a full disk) resumes it: it runs on.
+    fn save_paused(&self, key: &str, image: &Path) -> Result<(), String> {
+        self.runsc(&["pause", key])?;
+        let path = image.to_string_lossy();
+        let saved = self.runsc(&["checkpoint", "--leave-running", "--image-path", &path, key]);
+        if let Err(e) = saved {
+            return match self.runsc(&["resume", key]) {
+                Ok(_) => Err(e),
+                Err(r) => Err(format!("{e}; resuming it after: {r}")),
+            };
+        }
+        Ok(())
+    }
+
     fn remove(&self, key: &str) {
         if let Err(e) = self.runsc(&["delete", "--force", key]) {
             if !e.contains("does not exist") && !e.contains("not found") {
@@ -222,25 +237,15 @@ impl Launcher for Gvisor {
         SnapshotKind::Full
     }
 
-    /// `runsc pause` (the Sentry stops every task), `checkpoint --leave-running`, `stopped`,
-    /// `runsc resume`.
+    /// [`Gvisor::save_paused`], `stopped`, `runsc resume`.
     fn checkpoint(
         &self,
         st: &SandboxState,
         image: &Path,
         stopped: &mut dyn FnMut() -> Result<(), String>,
     ) -> Result<(), String> {
-        self.runsc(&["pause", &st.key])?;
-        let path = image.to_string_lossy();
-        let r = self
-            .runsc(&[
-                "checkpoint",
-                "--leave-running",
-                "--image-path",
-                &path,
-                &st.key,
-            ])
-            .and_then(|_| stopped());
+        self.save_paused(&st.key, image)?;
+        let r = stopped();
         let resumed = self.runsc(&["resume", &st.key]);
         r.and(resumed.map(|_| ()))
     }
@@ -248,13 +253,15 @@ impl Launcher for Gvisor {
         self.pause_to_disk
     }
 
-    /// `runsc checkpoint` without `--leave-running`: the sandbox exits once saved; its runsc
-    /// record and root mount go with it (a restore makes both again).
+    /// [`Gvisor::save_paused`], then the paused sandbox is deleted with its
+    /// runsc record and root mount (a restore makes both again). Not a plain `checkpoint`,
+    /// which ends the sandbox even when the save fails (a full disk): here a failed save is
+    /// followed by `runsc resume`, and the sandbox runs on as before. Paused first, so nothing
+    /// it does after the save reaches its disk.
     fn checkpoint_and_stop(&self, st: &SandboxState, image: &Path) -> Result<(), String> {
-        let path = image.to_string_lossy();
-        self.runsc(&["checkpoint", "--image-path", &path, &st.key])?;
-        crate::runtime::process::reap(st.pid, std::time::Duration::from_secs(10));
+        self.save_paused(&st.key, image)?;
         self.remove(&st.key);
+        crate::runtime::process::reap(st.pid, std::time::Duration::from_secs(10));
         Ok(())
     }
 
