@@ -2,7 +2,8 @@
 # Installs (or upgrades) Cube on one host as systemd services.
 #
 #   install.sh --control      [--advertise IP] [--node URL]... [--postgres URL]
-#   install.sh --compute      --master URL [--join-token T] [--advertise IP]
+#                             [--masters URL,URL...]
+#   install.sh --compute      --master URL[,URL...] [--join-token T] [--advertise IP]
 #                             [--tls-ca F --tls-cert F --tls-key F]
 #   install.sh --single-host
 # common options:
@@ -21,6 +22,9 @@
 #                      with VMX/SVM, else gvisor where runsc works, else namespace)
 #   --extra-san LIST   more names in the master's certificate (IP:..,DNS:..), e.g. other addresses
 #   --cubelet-extra F  TOML tables appended to a newly written cubelet.toml ([switch], [pools] ...)
+#   --masters LIST     (--control) every cube-master of a fleet with standbys, comma-separated:
+#                      cube-api fails over between them (needs --postgres: they share it)
+#   --check            validate the arguments and stop (nothing is installed)
 # PKI helpers (used by --control and by operators issuing node certificates):
 #   install.sh --make-ca DIR                          CA in DIR (kept when it already exists)
 #   install.sh --issue-cert NAME --pki DIR --san LIST  DIR/NAME.pem + .key, LIST like
@@ -80,6 +84,17 @@ extendedKeyUsage=serverAuth,clientAuth"
     rm -rf "$tmp"
 }
 
+# "a,b" -> "a", "b" (a TOML array's items).
+toml_list() {
+    local out="" item
+    IFS=, read -ra items <<<"$1"
+    for item in "${items[@]}"; do
+        item=${item// /}
+        [ -n "$item" ] && out+="\"$item\", "
+    done
+    echo "${out%, }"
+}
+
 # ---------------------------------------------------------------------------------------------
 MODE=""
 MASTER=""
@@ -96,7 +111,7 @@ TLS=auto
 TLS_CA="" TLS_CERT="" TLS_KEY=""
 START=1
 PKI_DIR="" SAN="" CERT_NAME=""
-NODE_ID="" EXTRA_SAN="" CUBELET_EXTRA="" RUNTIME=""
+NODE_ID="" EXTRA_SAN="" CUBELET_EXTRA="" RUNTIME="" MASTERS="" CHECK=0
 while [ $# -gt 0 ]; do
     case "$1" in
         --control|--compute|--single-host) MODE=${1#--}; shift ;;
@@ -123,24 +138,32 @@ while [ $# -gt 0 ]; do
         --runtime) RUNTIME=${2:?}; shift 2 ;;
         --extra-san) EXTRA_SAN=${2:?}; shift 2 ;;
         --cubelet-extra) CUBELET_EXTRA=${2:?}; shift 2 ;;
-        -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        --masters) MASTERS=${2:?}; shift 2 ;;
+        --check) CHECK=1; shift ;;
+        -h|--help) sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) die "unknown argument $1 (see --help)" ;;
     esac
 done
 
 case "$MODE" in
-    make-ca) make_ca "$PKI_DIR"; echo "$PKI_DIR/ca.pem"; exit 0 ;;
+    make-ca)
+        [ $CHECK = 0 ] || { echo "install.sh: arguments OK (--$MODE)"; exit 0; }
+        make_ca "$PKI_DIR"; echo "$PKI_DIR/ca.pem"; exit 0 ;;
     issue-cert)
         [ -n "$PKI_DIR" ] || die "--issue-cert needs --pki DIR"
+        [ -n "$SAN" ] || die "--san is required (e.g. IP:10.0.0.5,DNS:node5)"
+        [ $CHECK = 0 ] || { echo "install.sh: arguments OK (--$MODE)"; exit 0; }
         issue_cert "$CERT_NAME" "$PKI_DIR" "$SAN"
         echo "$PKI_DIR/$CERT_NAME.pem"; exit 0 ;;
     control|compute|single-host) ;;
     "") die "give one of --control, --compute --master URL, --single-host (see --help)" ;;
 esac
-[ "$(id -u)" = 0 ] || die "run as root (it installs services, cubelet needs root)"
+[ $CHECK = 1 ] || [ "$(id -u)" = 0 ] || die "run as root (it installs services, cubelet needs root)"
 if [ "$MODE" = compute ] && [ -z "$MASTER" ]; then die "--compute needs --master URL"; fi
 [[ $LOOP_GIB =~ ^[0-9]+$ ]] && [ "$LOOP_GIB" -gt 0 ] || die "--loop-size-gib must be a positive integer"
-if [ -n "$ROOT" ]; then
+[ -z "$MASTERS" ] || [ "$MODE" = control ] || die "--masters is for --control (a compute host lists them in --master)"
+[ -z "$MASTERS" ] || [ -n "$POSTGRES" ] || die "--masters needs --postgres: the masters of a fleet share one PostgreSQL database"
+if [ -n "$ROOT" ] && [ $CHECK = 0 ]; then
     mkdir -p "$ROOT"
     ROOT=$(cd "$ROOT" && pwd)
     [ "$ROOT" != / ] || ROOT=""
@@ -159,6 +182,7 @@ case "$RUNTIME" in ""|namespace|gvisor|microvm|auto) ;; *) die "--runtime must b
 [ -n "$ADVERTISE" ] || ADVERTISE=$(hostname -I 2>/dev/null | awk '{print $1}')
 [ -n "$ADVERTISE" ] || ADVERTISE=127.0.0.1
 case $ADVERTISE in *[!0-9.]*) SAN_ADV="DNS:$ADVERTISE" ;; *) SAN_ADV="IP:$ADVERTISE" ;; esac
+if [ $CHECK = 1 ]; then echo "install.sh: arguments OK (--$MODE)"; exit 0; fi
 
 WANT_CONTROL=0 WANT_COMPUTE=0
 case "$MODE" in
@@ -313,7 +337,7 @@ TOML
 api_addr = "$([ "$MODE" = single-host ] && echo 127.0.0.1 || echo 0.0.0.0):3000"
 edge_addr = "$([ "$MODE" = single-host ] && echo 127.0.0.1 || echo 0.0.0.0):3001"
 metrics_addr = "127.0.0.1:9094"
-master_url = "$SCHEME://127.0.0.1:9090"
+$(if [ -n "$MASTERS" ]; then echo "master_urls = [$(toml_list "$MASTERS")]"; else echo "master_url = \"$SCHEME://127.0.0.1:9090\""; fi)
 log_format = "json"
 $(tls_section api)
 TOML
@@ -358,7 +382,7 @@ log_format = "json"
 $loop
 
 [master]
-address = "$MASTER"
+$(case $MASTER in *,*) echo "addresses = [$(toml_list "$MASTER")]" ;; *) echo "address = \"$MASTER\"" ;; esac)
 join_token = "$JOIN_TOKEN"
 advertise = "$SCHEME://$([ "$MODE" = single-host ] && echo 127.0.0.1 || echo "$ADVERTISE"):9091"
 $(tls_section node)

@@ -12,6 +12,9 @@ pub struct ApiConfig {
     pub edge_addr: String,
     /// cube-master gRPC address.
     pub master_url: String,
+    /// Every cube-master of a fleet with standbys (the leader and the others, in any order);
+    /// when set, used instead of `master_url`.
+    pub master_urls: Vec<String>,
     /// Returned as `domain` so that `get_host(port)` gives `<port>-<id>.<domain>`; empty = null.
     pub domain: String,
     /// Timeout when `POST /sandboxes` (v1) omits it, in seconds (E2B: 15).
@@ -41,6 +44,7 @@ impl Default for ApiConfig {
             api_addr: "127.0.0.1:3000".into(),
             edge_addr: "127.0.0.1:3001".into(),
             master_url: "http://127.0.0.1:9090".into(),
+            master_urls: Vec::new(),
             domain: String::new(),
             default_timeout_v1_s: 15,
             default_timeout_v2_s: 300,
@@ -56,6 +60,15 @@ impl Default for ApiConfig {
 }
 
 impl ApiConfig {
+    /// The masters to talk to: `master_urls`, else `master_url`.
+    pub fn masters(&self) -> Vec<String> {
+        if self.master_urls.is_empty() {
+            vec![self.master_url.clone()]
+        } else {
+            self.master_urls.clone()
+        }
+    }
+
     /// Reads a config file; a missing file means all defaults.
     pub fn load(path: &Path) -> anyhow::Result<ApiConfig> {
         let cfg: ApiConfig = match std::fs::read_to_string(path) {

@@ -27,11 +27,14 @@ async fn main() -> anyhow::Result<()> {
         cube_proto::logging::LogFormat::Json => fmt.json().init(),
         cube_proto::logging::LogFormat::Text => fmt.init(),
     }
-    // The master link over mutual TLS when `[tls]` is set (an http:// master_url is upgraded).
-    let channel =
-        cube_proto::tls::connect_lazy(&cfg.master_url, cfg.tls.as_ref()).context("master_url")?;
+    // The master links over mutual TLS when `[tls]` is set (an http:// URL is upgraded).
+    let channels = cfg
+        .masters()
+        .iter()
+        .map(|u| cube_proto::tls::connect_lazy(u, cfg.tls.as_ref()).context("master_url"))
+        .collect::<anyhow::Result<Vec<_>>>()?;
     let m = master::client(
-        channel.clone(),
+        channels.clone(),
         std::time::Duration::from_millis(cfg.master_retry_ms),
     );
     let api = tokio::net::TcpListener::bind(&cfg.api_addr)
@@ -40,7 +43,7 @@ async fn main() -> anyhow::Result<()> {
     let edge_l = tokio::net::TcpListener::bind(&cfg.edge_addr)
         .await
         .with_context(|| format!("binding {}", cfg.edge_addr))?;
-    tracing::info!(api = %cfg.api_addr, edge = %cfg.edge_addr, master = %cfg.master_url, "cube-api listening");
+    tracing::info!(api = %cfg.api_addr, edge = %cfg.edge_addr, masters = ?cfg.masters(), "cube-api listening");
     let state = AppState::new(m.clone(), cfg.clone());
     let metrics_task = if cfg.metrics_addr.is_empty() {
         tokio::spawn(std::future::pending::<std::io::Result<()>>())
@@ -55,7 +58,7 @@ async fn main() -> anyhow::Result<()> {
         edge_l,
         edge::Edge {
             master: m,
-            master_once: master::client(channel, std::time::Duration::ZERO),
+            master_once: master::client(channels, std::time::Duration::ZERO),
             cache: state.cache.clone(),
             metrics: state.metrics.clone(),
             limiter: state.limiter.clone(),

@@ -3,7 +3,8 @@
 //! Every call cube-api makes is safe to send twice: reads and kills are idempotent, and a create
 //! carries an idempotency key (the client's, or one cube-api makes up), so the master answers a
 //! resent create with the sandbox of the first. So the client resends a call that fails in
-//! transport ([`cube_proto::retry::Retrying`]).
+//! transport ([`cube_proto::retry::Retrying`]), to the next master at once when there are several
+//! (one leads; the standbys do not listen until they take over).
 
 use cube_proto::master::v1::master_client::MasterClient;
 use cube_proto::retry::Retrying;
@@ -12,10 +13,10 @@ use tonic::transport::Channel;
 
 pub type Master = MasterClient<Retrying>;
 
-/// A client on `channel` that resends a call failing in transport for up to `budget`
-/// (`Duration::ZERO`: one try).
-pub fn client(channel: Channel, budget: Duration) -> Master {
-    MasterClient::new(Retrying::new(channel, budget, "cube-master"))
+/// A client on `channels` (every master) that resends a call failing in transport for up to
+/// `budget` (`Duration::ZERO`: one try of each).
+pub fn client(channels: Vec<Channel>, budget: Duration) -> Master {
+    MasterClient::new(Retrying::over(channels, budget, "cube-master"))
 }
 
 #[cfg(test)]
@@ -39,7 +40,7 @@ mod tests {
     #[tokio::test]
     async fn an_unreachable_master_is_unavailable_once_the_budget_is_spent() {
         let port = closed_port();
-        let mut once = client(channel(port), Duration::ZERO);
+        let mut once = client(vec![channel(port)], Duration::ZERO);
         let t = std::time::Instant::now();
         let e = once
             .get_sandbox(pb::SandboxRef::default())
@@ -53,7 +54,7 @@ mod tests {
             t.elapsed()
         );
 
-        let mut retrying = client(channel(port), Duration::from_millis(600));
+        let mut retrying = client(vec![channel(port)], Duration::from_millis(600));
         let t = std::time::Instant::now();
         let e = retrying
             .get_sandbox(pb::SandboxRef::default())

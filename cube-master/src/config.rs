@@ -47,6 +47,9 @@ pub struct MasterConfig {
     /// How often registered nodes heartbeat; NotReady after `node_max_misses` intervals
     /// without one.
     pub heartbeat_interval_ms: u64,
+    /// How often a standby master (another leads on the same PostgreSQL database) tries to take
+    /// the lead, in ms.
+    pub standby_poll_ms: u64,
     /// Prometheus `/metrics` listen address; empty = no metrics endpoint.
     pub metrics_addr: String,
     /// `"text"` or `"json"` (one object per line).
@@ -84,6 +87,7 @@ impl Default for MasterConfig {
             default_envd_version: "0.6.4".into(),
             require_join_token: false,
             heartbeat_interval_ms: 2000,
+            standby_poll_ms: 500,
             metrics_addr: "127.0.0.1:9092".into(),
             log_format: Default::default(),
             tls: None,

@@ -10,6 +10,7 @@ pub mod db;
 pub mod egress;
 pub mod error;
 pub mod ids;
+pub mod leader;
 pub mod lifecycle;
 pub mod metrics;
 pub mod node_store;

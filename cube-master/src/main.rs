@@ -3,6 +3,7 @@
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use cube_master::db::Db;
+use cube_master::leader::Lease;
 use cube_master::nodes::Nodes;
 use cube_master::server::MasterService;
 use cube_master::service::Controller;
@@ -78,17 +79,6 @@ async fn run(cfg: MasterConfig) -> anyhow::Result<()> {
             .with_token_key(key)
             .with_secrets_key(secrets),
     );
-    ctl.fail_interrupted_creates()
-        .await
-        .context("failing creates the previous master left unfinished")?;
-    ctl.load_nodes().await.context("loading nodes")?;
-    ctl.nodes.poll_once().await;
-    tokio::spawn(ctl.nodes.clone().run_poller(poll));
-    tokio::spawn(
-        ctl.clone()
-            .run_node_health(poll.min(Duration::from_millis(1000))),
-    );
-    tokio::spawn(reaper::run(ctl.clone(), reap));
     if !metrics_addr.is_empty() {
         let l = tokio::net::TcpListener::bind(&metrics_addr)
             .await
@@ -101,6 +91,33 @@ async fn run(cfg: MasterConfig) -> anyhow::Result<()> {
             }
         });
     }
+    // Other masters on the same PostgreSQL database: lead, or stand by (running, not listening)
+    // until the leader is gone.
+    let shared = ctl.db.backend() == cube_master::db::Backend::Postgres;
+    if shared {
+        let _ = cube_proto::systemd::notify_ready();
+        let _ = cube_proto::systemd::notify("STATUS=standby: waiting to lead");
+    }
+    let lease = tokio::select! {
+        l = Lease::acquire(&ctl.cfg.database_url, Duration::from_millis(ctl.cfg.standby_poll_ms)) => l.context("taking the lead")?,
+        _ = shutdown() => return Ok(()),
+    };
+    if shared {
+        tracing::info!("leading: this master holds its database's leader lock");
+        let _ = cube_proto::systemd::notify("STATUS=leading");
+    }
+    ctl.metrics.leader.set(1);
+    ctl.fail_interrupted_creates()
+        .await
+        .context("failing creates the previous master left unfinished")?;
+    ctl.load_nodes().await.context("loading nodes")?;
+    ctl.nodes.poll_once().await;
+    tokio::spawn(ctl.nodes.clone().run_poller(poll));
+    tokio::spawn(
+        ctl.clone()
+            .run_node_health(poll.min(Duration::from_millis(1000))),
+    );
+    tokio::spawn(reaper::run(ctl.clone(), reap));
     let mut server = tonic::transport::Server::builder();
     if let Some(t) = cube_proto::tls::process_tls() {
         server = server
@@ -114,12 +131,28 @@ async fn run(cfg: MasterConfig) -> anyhow::Result<()> {
     if let Err(e) = cube_proto::systemd::notify_ready() {
         tracing::warn!(error = %e, "sd_notify READY failed");
     }
+    // A leader that lost its lease stops at once: another master may lead by now.
+    let (lost_tx, lost_rx) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        let _ = lost_tx.send(lease.lost().await);
+    });
+    let mut lost = None;
     server
         .layer(cube_master::metrics::GrpcLayer(ctl.metrics.clone()))
         .add_service(MasterService::new(ctl))
-        .serve_with_incoming_shutdown(incoming, shutdown())
+        .serve_with_incoming_shutdown(incoming, async {
+            tokio::select! {
+                _ = shutdown() => {}
+                e = lost_rx => lost = e.ok(),
+            }
+        })
         .await?;
     let _ = cube_proto::systemd::notify_stopping();
+    if let Some(e) = lost {
+        anyhow::bail!(
+            "lost the lead (its database session ended: {e}); stopping so that a standby leads"
+        );
+    }
     Ok(())
 }
 

@@ -44,6 +44,7 @@ pub struct Metrics {
     pub idempotent_replays: IntCounter,
     pub grpc_requests: IntCounterVec,
     pub grpc_errors: IntCounterVec,
+    pub leader: IntGauge,
 }
 
 impl Default for Metrics {
@@ -139,8 +140,13 @@ impl Metrics {
             ),
             &["method", "code"],
         ));
+        let leader = must(IntGauge::new(
+            "cube_master_leader",
+            "1 while this master leads, 0 while it stands by (another leads on its database)",
+        ));
         for c in [
-            Box::new(sandboxes.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(leader.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(sandboxes.clone()),
             Box::new(create_seconds.clone()),
             Box::new(creates.clone()),
             Box::new(decisions.clone()),
@@ -175,6 +181,7 @@ impl Metrics {
             idempotent_replays,
             grpc_requests,
             grpc_errors,
+            leader,
         }
     }
 

@@ -531,3 +531,49 @@ async fn drain(url: String) {
     assert!(r.sandboxes.iter().all(|d| !d.error.is_empty()));
 }
 both_backends!(drain_pauses_or_kills_all, super::drain);
+
+/// A client over several peers (a leading master and its standbys, which do not listen) goes on
+/// to the one that answers at once, without a backoff, and fails `Unavailable` after one round
+/// when none answers (budget zero).
+#[tokio::test]
+async fn a_client_over_several_peers_uses_the_one_that_answers() {
+    use cube_proto::nodev1::node_client::NodeClient;
+    use cube_proto::retry::Retrying;
+    let node = FakeNode::new("n1");
+    let (live, _stop) = serve(node.clone()).await;
+    let closed = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}", l.local_addr().unwrap())
+    };
+    let ch = |u: &str| {
+        tonic::transport::Endpoint::from_shared(u.to_string())
+            .unwrap()
+            .connect_timeout(Duration::from_secs(1))
+            .connect_lazy()
+    };
+    let mut c = NodeClient::new(Retrying::over(
+        vec![ch(&closed), ch(&live)],
+        Duration::ZERO,
+        "node",
+    ));
+    let t = std::time::Instant::now();
+    for _ in 0..5 {
+        let s = c
+            .node_status(cube_proto::nodev1::NodeStatusRequest {})
+            .await
+            .unwrap();
+        assert_eq!(s.into_inner().node_id, "n1");
+    }
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    let mut none = NodeClient::new(Retrying::over(
+        vec![ch(&closed), ch(&closed)],
+        Duration::ZERO,
+        "node",
+    ));
+    let e = none
+        .node_status(cube_proto::nodev1::NodeStatusRequest {})
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unavailable, "{e}");
+    assert!(e.message().contains("node unreachable"), "{e}");
+}

@@ -2,11 +2,17 @@
 //! (connection refused or reset: the peer is restarting) is resent with a backoff until a time
 //! budget is spent, and only then fails, as `Unavailable`. Only for services whose every call is
 //! safe to send twice (idempotent, or carrying a key the peer deduplicates by).
+//!
+//! Over several peers of which one serves (a leading cube-master and its standbys, which do not
+//! listen): a call failing in transport goes to the next peer at once, the backoff comes after a
+//! round in which none answered, and later calls start at the peer that answered last.
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::time::Instant;
@@ -22,7 +28,9 @@ const MAX_BACKOFF: Duration = Duration::from_secs(1);
 /// sent again.
 #[derive(Clone, Debug)]
 pub struct Retrying {
-    channel: Channel,
+    channels: Arc<[Channel]>,
+    /// Index of the peer that answered last.
+    current: Arc<AtomicUsize>,
     budget: Duration,
     /// What is at the other end, for the error ("cube-master", "node").
     peer: &'static str,
@@ -31,8 +39,15 @@ pub struct Retrying {
 impl Retrying {
     /// Resends a call failing in transport for up to `budget` (`Duration::ZERO`: one try).
     pub fn new(channel: Channel, budget: Duration, peer: &'static str) -> Retrying {
+        Retrying::over(vec![channel], budget, peer)
+    }
+
+    /// Over several peers, one of which serves; at least one channel.
+    pub fn over(channels: Vec<Channel>, budget: Duration, peer: &'static str) -> Retrying {
+        assert!(!channels.is_empty(), "Retrying::over needs a channel");
         Retrying {
-            channel,
+            channels: channels.into(),
+            current: Arc::new(AtomicUsize::new(0)),
             budget,
             peer,
         }
@@ -52,20 +67,33 @@ impl tower::Service<http::Request<BoxBody>> for Retrying {
     }
 
     fn call(&mut self, req: http::Request<BoxBody>) -> Self::Future {
-        let channel = self.channel.clone();
+        let (channels, current) = (self.channels.clone(), self.current.clone());
         let (budget, peer) = (self.budget, self.peer);
         Box::pin(async move {
             let (parts, body) = req.into_parts();
             let body: Bytes = body.collect().await.map_err(Box::new)?.to_bytes();
             let deadline = Instant::now() + budget;
             let mut backoff = FIRST_BACKOFF;
+            let n = channels.len();
+            let mut at = current.load(Ordering::Relaxed) % n;
+            let mut failed_in_round = 0;
             loop {
                 let body = tonic::body::boxed(Full::new(body.clone()));
                 let req = http::Request::from_parts(parts.clone(), body);
-                let err = match channel.clone().oneshot(req).await {
-                    Ok(resp) => return Ok(resp),
+                let err = match channels[at].clone().oneshot(req).await {
+                    Ok(resp) => {
+                        current.store(at, Ordering::Relaxed);
+                        return Ok(resp);
+                    }
                     Err(e) => e,
                 };
+                at = (at + 1) % n;
+                failed_in_round += 1;
+                if failed_in_round < n {
+                    tracing::debug!(peer, error = %err, "call failed in transport; trying the next peer");
+                    continue;
+                }
+                failed_in_round = 0;
                 let now = Instant::now();
                 if now + backoff > deadline {
                     let waited = if budget.is_zero() {

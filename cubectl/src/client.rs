@@ -21,22 +21,25 @@ pub fn master_url(explicit: Option<&str>, data_dir: &Path) -> String {
     }
 }
 
-/// Connects, failing fast (a few seconds) when nothing answers.
+/// Connects, failing fast (a few seconds) when nothing answers. `url` may list several masters,
+/// comma-separated (a leader and its standbys, which do not listen): the first that answers.
 pub async fn connect(url: &str) -> anyhow::Result<Master> {
     // Mutual TLS when CUBE_TLS_CA/CERT/KEY name the fleet CA and an admin certificate
     // (`deploy/install.sh --control` issues /etc/cube/pki/admin.pem).
     let tls = cube_proto::tls::from_env()?;
-    let ep = cube_proto::tls::endpoint(url, tls.as_ref())
-        .map_err(|e| anyhow::anyhow!("invalid master address {url:?}: {e}"))?
-        .connect_timeout(Duration::from_secs(3));
-    let ch = ep.connect().await.map_err(|_| {
-        anyhow::anyhow!(
-            "cannot reach cube-master at {url} (is it running? start it with `cubectl up`, or point --master / CUBE_MASTER_URL at it)"
-        )
-    })?;
-    Ok(MasterClient::new(ch)
-        .max_decoding_message_size(64 << 20)
-        .max_encoding_message_size(64 << 20))
+    for u in url.split(',').map(str::trim).filter(|u| !u.is_empty()) {
+        let ep = cube_proto::tls::endpoint(u, tls.as_ref())
+            .map_err(|e| anyhow::anyhow!("invalid master address {u:?}: {e}"))?
+            .connect_timeout(Duration::from_secs(3));
+        if let Ok(ch) = ep.connect().await {
+            return Ok(MasterClient::new(ch)
+                .max_decoding_message_size(64 << 20)
+                .max_encoding_message_size(64 << 20));
+        }
+    }
+    anyhow::bail!(
+        "cannot reach cube-master at {url} (is it running? start it with `cubectl up`, or point --master / CUBE_MASTER_URL at it)"
+    )
 }
 
 /// A gRPC error from an operation (`what`, e.g. "killing sandbox x") as one line.

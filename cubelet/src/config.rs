@@ -54,12 +54,30 @@ pub struct Config {
 pub struct MasterLink {
     /// The master's gRPC URL, e.g. `http://10.0.0.1:9090`; empty = do not register.
     pub address: String,
+    /// Every cube-master of a fleet with standbys (the leader and the others); when set, used
+    /// instead of `address`. Registration and heartbeats go to whichever answers.
+    pub addresses: Vec<String>,
     /// One-time join token (from `CreateJoinToken`), needed when the master requires one. Used
     /// once: later registrations present the node secret kept in the data directory.
     pub join_token: String,
     /// gRPC URL the master should use to reach this node; empty = `http://<grpc_addr>` (with
     /// 127.0.0.1 for an unspecified address, so only right on a single host).
     pub advertise: String,
+}
+
+impl MasterLink {
+    /// The masters to register with: `addresses`, else `address` (none when both are empty).
+    pub fn masters(&self) -> Vec<String> {
+        let list: Vec<String> = if self.addresses.is_empty() {
+            vec![self.address.clone()]
+        } else {
+            self.addresses.clone()
+        };
+        list.into_iter()
+            .map(|a| a.trim().to_string())
+            .filter(|a| !a.is_empty())
+            .collect()
+    }
 }
 
 /// Which switch isolates sandboxes.

@@ -9,12 +9,12 @@ use crate::node::Node;
 use cube_proto::master::v1 as mpb;
 use cube_proto::master::v1::master_client::MasterClient;
 use cube_proto::nodev1 as pb;
+use cube_proto::retry::Retrying;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
-use tonic::transport::Channel;
 
 const LINK_FILE: &str = "master-link.json";
 const LINK_FORMAT: &str = "cube-master-link";
@@ -121,9 +121,9 @@ fn mem_available_mib() -> u64 {
         .unwrap_or(0)
 }
 
-/// Starts the registration loop when `[master] address` is set.
+/// Starts the registration loop when `[master] address` (or `addresses`) is set.
 pub fn spawn(node: Arc<Node>) -> Option<tokio::task::JoinHandle<()>> {
-    if node.host.cfg.master.address.trim().is_empty() {
+    if node.host.cfg.master.masters().is_empty() {
         return None;
     }
     Some(tokio::spawn(run(node)))
@@ -154,23 +154,31 @@ impl Quiet {
 
 async fn run(node: Arc<Node>) {
     let link_cfg = node.host.cfg.master.clone();
-    let master = link_cfg.address.trim().to_string();
-    // Over mutual TLS when `[tls]` is set (cube_proto::tls::set_process_tls in main).
-    let ep = match cube_proto::tls::client_endpoint(&master) {
-        Ok(e) => e
-            .connect_timeout(Duration::from_secs(3))
-            .timeout(Duration::from_secs(10)),
-        Err(e) => {
-            tracing::error!(address = %master, error = %e, "[master] address is not a URL; not registering");
-            return;
+    let masters = link_cfg.masters();
+    let mut channels = Vec::new();
+    for m in &masters {
+        // Over mutual TLS when `[tls]` is set (cube_proto::tls::set_process_tls in main).
+        match cube_proto::tls::client_endpoint(m) {
+            Ok(e) => channels.push(
+                e.connect_timeout(Duration::from_secs(3))
+                    .timeout(Duration::from_secs(10))
+                    .connect_lazy(),
+            ),
+            Err(e) => {
+                tracing::error!(address = %m, error = %e, "[master] address is not a URL; not registering");
+                return;
+            }
         }
-    };
-    let mut client = MasterClient::new(ep.connect_lazy());
+    }
+    // One try of each master per call: this loop retries by itself.
+    let mut client = MasterClient::new(Retrying::over(channels, Duration::ZERO, "cube-master"));
+    // The node secret is the fleet's (the masters share a database): kept under the first.
+    let master = masters.join(",");
     let node_id = node.host.cfg.node_id();
     let path: PathBuf = node.host.cfg.data_dir.join(LINK_FILE);
     let advertise = advertise_url(&link_cfg.advertise, &node.host.cfg.grpc_addr);
     let mut saved = match Link::load(&path) {
-        Ok(Some(l)) if l.node_id == node_id && l.master == master => Some(l.secret),
+        Ok(Some(l)) if l.node_id == node_id && masters.contains(&l.master) => Some(l.secret),
         Ok(_) => None,
         Err(e) => {
             tracing::warn!(error = %e, "ignoring the saved master registration");
@@ -201,7 +209,8 @@ async fn run(node: Arc<Node>) {
                         let interval = Duration::from_millis(
                             u64::from(r.heartbeat_interval_ms).clamp(50, 60_000),
                         );
-                        if let Err(e) = Link::new(&node_id, &master, &r.node_secret).save(&path) {
+                        if let Err(e) = Link::new(&node_id, &masters[0], &r.node_secret).save(&path)
+                        {
                             tracing::warn!(error = %e, file = %path.display(), "saving the node secret failed: the next start needs a new join token");
                         }
                         tracing::info!(master = %master, node = %node_id, advertise = %advertise, heartbeat_ms = interval.as_millis() as u64, "registered with the master");
@@ -257,7 +266,7 @@ async fn status(node: &Arc<Node>) -> pb::NodeStatusResponse {
 }
 
 async fn register(
-    client: &mut MasterClient<Channel>,
+    client: &mut MasterClient<Retrying>,
     node: &Arc<Node>,
     node_id: &str,
     advertise: &str,
@@ -284,7 +293,7 @@ async fn register(
 }
 
 async fn heartbeat(
-    client: &mut MasterClient<Channel>,
+    client: &mut MasterClient<Retrying>,
     node: &Arc<Node>,
     node_id: &str,
     secret: &str,

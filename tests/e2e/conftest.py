@@ -111,8 +111,35 @@ def cube_gvisor(request):
 ENVD_FALLBACK = "0.0.1+unread"
 
 
-def _stack(runtime, api_extra=""):
-    """A stack on `runtime`; `api_extra` is appended to api.toml (tests/security's limits)."""
+@pytest.fixture(scope="module")
+def cube_ha():
+    """A stack with two cube-masters on one PostgreSQL database (a schema of its own in
+    $CUBE_TEST_PG_URL): one leads, the other stands by. cube-api and the cubelet (which
+    registers, rather than being polled from a static list) know both."""
+    yield from _stack(RUNTIME, masters=2)
+
+
+def _pg_schema(name):
+    """A fresh schema in $CUBE_TEST_PG_URL for `name`; returns (database URL, drop function)."""
+    base = os.environ.get("CUBE_TEST_PG_URL")
+    if not base:
+        pytest.fail('CUBE_TEST_PG_URL is not set (export CUBE_TEST_PG_URL="$(deploy/postgres-test.sh)")')
+    schema = f"e2e_{name}".replace("-", "_")
+
+    def psql(sql):
+        subprocess.run(["psql", base, "-v", "ON_ERROR_STOP=1", "-qc", sql], check=True,
+                       stdout=subprocess.DEVNULL)
+
+    psql(f"SET client_min_messages = warning; DROP SCHEMA IF EXISTS {schema} CASCADE; "
+         f"CREATE SCHEMA {schema}")
+    sep = "&" if "?" in base else "?"
+    return f"{base}{sep}options[search_path]={schema}", lambda: psql(
+        f"SET client_min_messages = warning; DROP SCHEMA IF EXISTS {schema} CASCADE")
+
+
+def _stack(runtime, api_extra="", masters=1):
+    """A stack on `runtime`; `api_extra` is appended to api.toml (tests/security's limits);
+    `masters` > 1: that many cube-masters on one PostgreSQL database (see `cube_ha`)."""
     if os.geteuid() != 0:
         pytest.fail("tests/e2e needs root: cubelet creates namespaces, cgroups and loop mounts")
     cubelet, master, api, cubectl = (_bin(n) for n in ("cubelet", "cube-master", "cube-api", "cubectl"))
@@ -129,7 +156,8 @@ def _stack(runtime, api_extra=""):
     configured = os.environ.get("CUBE_E2E_CONFIGURED_RUNTIME", runtime)
     if configured not in (runtime, "auto"):
         pytest.fail(f"CUBE_E2E_CONFIGURED_RUNTIME={configured!r}: want {runtime!r} or 'auto'")
-    name = f"e2e{os.getpid()}" + {"microvm": "vm", "gvisor": "gv"}.get(runtime, "")
+    name = f"e2e{os.getpid()}" + {"microvm": "vm", "gvisor": "gv"}.get(runtime, "") \
+        + ("ha" if masters > 1 else "")
     # The switch's node-level state is this test node's own: a host address pool that no other
     # test cubelet uses, its own bpffs pin root and masquerade table (removed at teardown).
     host_pool = os.environ.get("CUBE_E2E_HOST_POOL") or f"10.238.{os.getpid() % 254 + 1}.0/24"
@@ -137,6 +165,8 @@ def _stack(runtime, api_extra=""):
         host_pool = f"10.239.{os.getpid() % 254 + 1}.0/24"
     if runtime == "gvisor":
         host_pool = f"10.237.{os.getpid() % 254 + 1}.0/24"
+    if masters > 1:
+        host_pool = f"10.236.{os.getpid() % 254 + 1}.0/24"
     pin_root = f"/tmp/cube-e2e-bpf-{name}"
     nft_table = f"cube_e2e_{name}".replace("-", "_")
     root = f"/var/tmp/cube-e2e-{name}"
@@ -149,11 +179,16 @@ def _stack(runtime, api_extra=""):
     c.envd_version = v.stdout.split()[-1]
     logs = []
     saved_env = {}
+    drop_schema = None
     try:
         stripped = os.path.join(root, "cube-agent")
         if subprocess.run(["strip", "-o", stripped, agent]).returncode != 0:
             shutil.copy(agent, stripped)
         g, h = reserve_port(), reserve_port()
+        master_ports = [reserve_port() for _ in range(masters)]
+        # With several masters the node registers with them (whichever leads answers).
+        master_link = "" if masters == 1 else "[master]\naddresses = [" + ", ".join(
+            f'"http://127.0.0.1:{p}"' for p in master_ports) + "]\n"
         cfg = os.path.join(root, "cubelet.toml")
         microvm = ""
         if runtime == "microvm":
@@ -204,7 +239,7 @@ sample_interval_ms = {5000 if runtime == "microvm" else SAMPLE_INTERVAL_MS}
 host_pool = "{host_pool}"
 pin_root = "{pin_root}"
 nft_table = "{nft_table}"
-{microvm}""")
+{microvm}{master_link}""")
         host = os.path.join(root, "hostroot")
         subprocess.run([cubelet, "host-root", host, "--programs", PROGRAMS], check=True,
                        stdout=subprocess.DEVNULL)
@@ -238,34 +273,54 @@ nft_table = "{nft_table}"
             _wait(lambda: ready in urllib.request.urlopen(c.cubelet_http + "/metrics", timeout=2)
                   .read().decode(), f"{started} pre-started sandboxes", timeout=300, procs=[pl])
 
-        mp = reserve_port()
         # A second, never-answering node: the master must keep it NotReady and schedule around it.
         dead = reserve_port()
         c.dead_node = f"http://127.0.0.1:{dead}"
-        mcfg = os.path.join(root, "master.toml")
-        with open(mcfg, "w") as f:
-            f.write(f"""grpc_addr = "127.0.0.1:{mp}"
-database_url = "sqlite://{root}/master.db?mode=rwc"
-nodes = ["http://127.0.0.1:{g}", "http://127.0.0.1:{dead}"]
+        if masters == 1:
+            database = f"sqlite://{root}/master.db?mode=rwc"
+            shared_keys = ""
+        else:
+            database, drop_schema = _pg_schema(name)
+            c.pg_base_url = os.environ["CUBE_TEST_PG_URL"]
+            # The fleet's keys: every master derives the same access tokens and opens the same
+            # secrets.
+            shared_keys = f'token_key_file = "{root}/token.key"\nsecrets_key_file = "{root}/secrets.key"\n'
+        c.database_url = database
+        c.master_cmds, c.master_procs, c.master_metrics = [], [], []
+        for i, mp in enumerate(master_ports):
+            mcfg = os.path.join(root, f"master{i or ''}.toml")
+            metrics = reserve_port()
+            with open(mcfg, "w") as f:
+                f.write(f"""grpc_addr = "127.0.0.1:{mp}"
+database_url = "{database}"
+nodes = [{'"http://127.0.0.1:%d", ' % g if masters == 1 else ''}"http://127.0.0.1:{dead}"]
 node_poll_interval_ms = 500
 reaper_interval_ms = 250
+heartbeat_interval_ms = 500
 max_timeout_s = 86400
 default_envd_version = "{ENVD_FALLBACK}"
-metrics_addr = "127.0.0.1:{reserve_port()}"
-""")
-        c.master_cmd = [master, "--config", mcfg, "run"]
-        pm = start(c.master_cmd, "master.log")
-        c.master_proc = pm
-        _wait(lambda: _port_open(mp), "cube-master gRPC", procs=[pm])
-        c.master_url = f"http://127.0.0.1:{mp}"
-        c.ports = {"cubelet grpc": g, "cubelet http": h, "master grpc": mp}
+metrics_addr = "127.0.0.1:{metrics}"
+""" + shared_keys)
+            cmd = [master, "--config", mcfg, "run"]
+            p = start(cmd, f"master{i or ''}.log")
+            c.master_cmds.append(cmd)
+            c.master_procs.append(p)
+            c.master_metrics.append(f"http://127.0.0.1:{metrics}/metrics")
+            if i == 0:
+                # The first leads (it starts alone); the others stand by behind it.
+                _wait(lambda: _port_open(mp), "cube-master gRPC", procs=[p])
+        c.master_cmd, c.master_proc = c.master_cmds[0], c.master_procs[0]
+        c.master_urls = [f"http://127.0.0.1:{p}" for p in master_ports]
+        c.master_url = ",".join(c.master_urls)
+        c.ports = {"cubelet grpc": g, "cubelet http": h}
+        c.ports.update({f"master{i} grpc": p for i, p in enumerate(master_ports)})
 
         ap, ep, metp = reserve_port(), reserve_port(), reserve_port()
         acfg = os.path.join(root, "api.toml")
         with open(acfg, "w") as f:
             f.write(f"""api_addr = "127.0.0.1:{ap}"
 edge_addr = "127.0.0.1:{ep}"
-master_url = "{c.master_url}"
+master_urls = [{", ".join(f'"{u}"' for u in c.master_urls)}]
 metrics_addr = "127.0.0.1:{metp}"
 """ + api_extra)
         c.api_metrics_url = f"http://127.0.0.1:{metp}"
@@ -307,6 +362,8 @@ metrics_addr = "127.0.0.1:{metp}"
                     p.wait()
         for lf in logs:
             lf.close()
+        if drop_schema:
+            drop_schema()
         _cleanup_node(root, f"cube-{name}")
         subprocess.run(["nft", "delete", "table", "ip", nft_table], stderr=subprocess.DEVNULL)
         subprocess.run(["umount", "-l", pin_root], stderr=subprocess.DEVNULL)

@@ -24,6 +24,8 @@ import time
 
 import pytest
 
+from doc_commands import install_command
+
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 INSTALL = os.path.join(REPO, "deploy", "install.sh")
 TEMPLATE = "fleetmini"
@@ -205,8 +207,19 @@ def sandbox_pids(name):
 
 
 def install(fleet, host, *args, bin_dir, agent):
-    return sh("bash", INSTALL, *args, "--root", host.root, "--bin-dir", bin_dir, "--agent", agent,
+    # Executed directly, as the docs say to run it (its execute bit is part of what is tested).
+    return sh(INSTALL, *args, "--root", host.root, "--bin-dir", bin_dir, "--agent", agent,
               timeout=300)
+
+
+def from_docs(flag, subst):
+    """The arguments of docs/install.md's `deploy/install.sh FLAG ...` command with its example
+    values replaced by this fleet's (`subst`: whole arguments); every example value the test
+    knows must be there, so the docs and this test cannot drift apart."""
+    argv = install_command(flag).argv[1:]
+    missing = [k for k in subst if k not in argv]
+    assert not missing, f"docs/install.md's {flag} command lost {missing}: {argv}"
+    return [subst.get(a, a) for a in argv]
 
 
 def setup_network(fleet):
@@ -325,8 +338,8 @@ def run_fleet(fleet, bin_dir, agent):
     ctl = fleet.control
 
     # --- control host: CA, certificates, master + api over mutual TLS.
-    install(fleet, ctl, "--control", "--advertise", CTL_A, "--extra-san", f"IP:{CTL_B}",
-            bin_dir=bin_dir, agent=agent)
+    install(fleet, ctl, *from_docs("--control", {"10.0.0.1": CTL_A, "/opt/cube/bin": bin_dir}),
+            "--extra-san", f"IP:{CTL_B}", bin_dir=bin_dir, agent=agent)
     pki = os.path.join(ctl.root, "etc/cube/pki")
     for f in ("ca.pem", "ca.key", "master.pem", "api.pem", "admin.pem"):
         assert os.path.exists(os.path.join(pki, f)), f
@@ -344,14 +357,16 @@ def run_fleet(fleet, bin_dir, agent):
     # --- compute hosts: a certificate each (issued on the control host), a one-time token each.
     for name, ctl_ip, node_ip in (("a", CTL_A, NODE_A), ("b", CTL_B, NODE_B)):
         h = fleet.nodes[name]
-        sh("bash", INSTALL, "--issue-cert", f"node-{name}", "--pki", pki, "--san", f"IP:{node_ip}")
+        sh(INSTALL, *from_docs("--issue-cert", {"node7": f"node-{name}", "/etc/cube/pki": pki,
+                                                "IP:10.0.0.7": f"IP:{node_ip}"}))
         token = fleet.cubectl("join-token", "create").stdout.strip()
         assert token
-        install(fleet, h, "--compute", "--master", f"https://{ctl_ip}:9090", "--join-token", token,
-                "--advertise", node_ip, "--node-id", node_id(name), "--loop-size-gib", "2",
-                "--runtime", "namespace",
-                "--tls-ca", f"{pki}/ca.pem", "--tls-cert", f"{pki}/node-{name}.pem",
-                "--tls-key", f"{pki}/node-{name}.key",
+        install(fleet, h, *from_docs("--compute", {
+                    "https://10.0.0.1:9090": f"https://{ctl_ip}:9090", "TOKEN": token,
+                    "10.0.0.7": node_ip, "ca.pem": f"{pki}/ca.pem",
+                    "node7.pem": f"{pki}/node-{name}.pem", "node7.key": f"{pki}/node-{name}.key",
+                    "/opt/cube/bin": bin_dir}),
+                "--node-id", node_id(name), "--loop-size-gib", "2", "--runtime", "namespace",
                 "--cubelet-extra", node_extra_config(fleet, name), bin_dir=bin_dir, agent=agent)
         cfg = os.path.join(h.root, "etc/cube/cubelet.toml")
         cubelet = os.path.join(h.root, "usr/local/bin/cubelet")
