@@ -45,7 +45,7 @@ fi
 PKGS=(build-essential pkg-config clang llvm libbpf-dev nasm protobuf-compiler
       xfsprogs e2fsprogs btrfs-progs nftables iproute2 debootstrap ca-certificates curl python3 python3-venv)
 TEST_PKGS=(file iputils-ping netcat-openbsd postgresql bpftool procps psmisc busybox-static qemu-system-x86 cpio
-           openssl util-linux fonts-dejavu-core systemd binutils)
+           openssl util-linux fonts-dejavu-core systemd binutils systemd-container)
 [ $WANT_TEST = 1 ] && PKGS+=("${TEST_PKGS[@]}")
 
 missing=()
