@@ -1,15 +1,15 @@
-"""A fleet on one machine: three "hosts" as network namespaces (control + two compute nodes),
-each installed by the real deploy/install.sh into its own root, talking gRPC over mutual TLS
-across veth links.
+"""A fleet on one machine: three hosts (control + two compute nodes), each a container booted
+with `systemd-nspawn --boot` (systemd as its PID 1; tests/fleet/nspawn.py) in a network namespace
+of its own, joined by veth links, installed with docs/install.md's commands as written (plus the
+test's own values), talking gRPC over mutual TLS. Units are driven with `systemctl`.
 
-The daemons are started with the ExecStart lines of the installed systemd units (systemd is not
-PID 1 here) and a NOTIFY_SOCKET this test listens on, so Type=notify readiness is exercised.
-Nodes join with one-time tokens. Sandboxes are created through the REST API; then a compute
-node is stopped and started, and the binaries are upgraded by re-running install.sh, with
-sandboxes running: their processes must survive both, and the API must still serve them.
+Nodes join with one-time tokens. Sandboxes are created through the REST API on both nodes; a
+compute node's cubelet is stopped and started and another's is SIGKILLed (systemd restarts it);
+then every host is upgraded by re-running install.sh, which restarts the running units on the
+new binaries. Sandbox processes must survive all of it, and the API must still serve them.
 
 Binaries: $CARGO_TARGET_DIR/debug (cubelet, cube-master, cube-api, cubectl) and the static agent
-$CUBE_AGENT_BIN (default $CARGO_TARGET_DIR/debug/cube-agent). Needs root.
+$CUBE_AGENT_BIN (default $CARGO_TARGET_DIR/debug/cube-agent). Needs root and systemd-nspawn.
 """
 
 import hashlib
@@ -17,31 +17,21 @@ import json
 import os
 import shlex
 import shutil
-import signal
-import socket
 import subprocess
 import time
 
 import pytest
 
-from doc_commands import install_command
+import nspawn
+from doc_commands import REPO, install_command
 
-REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-INSTALL = os.path.join(REPO, "deploy", "install.sh")
+# Run from the checkout by its documented path, executed directly (its execute bit is tested).
+INSTALL = "deploy/install.sh"
 TEMPLATE = "fleetmini"
 PROGRAMS = "sh,bash,cat,echo,ls,sleep,mkdir,rm,id,env,touch,sync,true,false,head,grep"
 UID = f"{os.getpid() % 100000}"
 CTL_A, NODE_A = "10.250.1.1", "10.250.1.2"
 CTL_B, NODE_B = "10.250.2.1", "10.250.2.2"
-
-
-def require_root():
-    if os.geteuid() == 0:
-        return
-    msg = "tests/fleet needs root (namespaces, cgroups, loop mounts)"
-    if os.environ.get("CUBE_REQUIRE_PRIV") == "1":
-        pytest.fail(msg)
-    pytest.skip(msg)
 
 
 def sh(*args, ns=None, check=True, env=None, timeout=120):
@@ -74,76 +64,43 @@ def sha(path):
 
 
 class Host:
-    """One network namespace with its install root and daemons."""
+    """One test host: a network namespace, and the container booted in it."""
 
     def __init__(self, fleet, name):
         self.fleet = fleet
         self.name = name
         self.ns = f"cf{UID}{name}"
-        self.root = os.path.join(fleet.base, name)
-        self.procs = {}
-        self.logs = []
+        self.c = None
 
-    def unit_cmd(self, unit):
-        path = os.path.join(self.root, "etc/systemd/system", unit)
-        with open(path) as f:
-            for line in f:
-                if line.startswith("ExecStart="):
-                    return shlex.split(line[len("ExecStart="):].strip())
-        raise AssertionError(f"{path} has no ExecStart")
+    @property
+    def root(self):
+        return self.c.root
+
+    def boot(self, binds):
+        self.c = nspawn.boot(self.ns, os.path.join(self.fleet.base, self.name), binds=binds,
+                             netns=self.ns)
 
     def start(self, unit):
-        """Starts a unit's ExecStart in this namespace and waits for READY=1 on NOTIFY_SOCKET."""
-        sock_path = os.path.join(self.fleet.base, f"notify-{self.name}-{unit}")
-        if os.path.exists(sock_path):
-            os.unlink(sock_path)
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        s.bind(sock_path)
-        s.settimeout(1.0)
-        log = open(os.path.join(self.root, f"{unit}.log"), "a")
-        self.logs.append(log)
-        env = dict(os.environ, NOTIFY_SOCKET=sock_path)
-        p = subprocess.Popen(["nsenter", f"--net=/run/netns/{self.ns}", "--"] + self.unit_cmd(unit),
-                             stdout=log, stderr=subprocess.STDOUT, env=env)
-        self.procs[unit] = p
-        try:
-            end = time.time() + 120
-            while True:
-                if p.poll() is not None:
-                    raise AssertionError(f"{unit} on {self.name} exited with {p.returncode}; "
-                                         f"see {log.name}")
-                if time.time() > end:
-                    raise AssertionError(f"{unit} on {self.name} sent no READY=1; see {log.name}")
-                try:
-                    msg = s.recv(4096).decode()
-                except socket.timeout:
-                    continue
-                if "READY=1" in msg.split("\n"):
-                    break
-        finally:
-            s.close()
-            os.unlink(sock_path)
-        return p
+        """`systemctl start`: returns once the unit is active, which for these Type=notify
+        units means it sent READY=1."""
+        self.c.sh(f"systemctl start {unit}")
+        assert self.c.active(unit), f"{unit} on {self.name} is not active after start"
 
-    def stop(self, unit, timeout=60):
-        p = self.procs.pop(unit, None)
-        if p is None or p.poll() is not None:
-            return
-        p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+    def stop(self, unit):
+        """`systemctl stop`: the unit must end cleanly (inactive, not failed)."""
+        self.c.sh(f"systemctl stop {unit}")
+        wait(lambda: self.c.show(unit, "ActiveState") == "inactive", f"{unit} stopped", 60)
+        assert self.c.show(unit, "Result") == "success", f"{unit} on {self.name} failed to stop"
 
     def pid_exe_sha(self, unit):
-        # nsenter execs the daemon in place: the Popen pid is the daemon's.
-        return sha(f"/proc/{self.procs[unit].pid}/exe")
+        return self.c.exe_sha(unit)
 
 
 class Fleet:
     def __init__(self):
         self.base = f"/var/tmp/cube-fleet-{UID}"
+        # Certificates, configs and upgrade binaries for the hosts: bound read-only into each.
+        self.xfer = os.path.join(self.base, "xfer")
         self.control = Host(self, "ctl")
         self.nodes = {"a": Host(self, "a"), "b": Host(self, "b")}
         self.api_key = None
@@ -151,12 +108,12 @@ class Fleet:
     def hosts(self):
         return [self.control, *self.nodes.values()]
 
-    def cubectl(self, *args):
-        pki = os.path.join(self.control.root, "etc/cube/pki")
-        env = dict(os.environ, CUBE_TLS_CA=f"{pki}/ca.pem", CUBE_TLS_CERT=f"{pki}/admin.pem",
-                   CUBE_TLS_KEY=f"{pki}/admin.key")
-        exe = os.path.join(self.control.root, "usr/local/bin/cubectl")
-        return sh(exe, "--master", "https://127.0.0.1:9090", *args, ns=self.control.ns, env=env)
+    def cubectl(self, *args, tls=True, check=True):
+        """cubectl on the control host, with the admin certificate as docs/install.md says."""
+        env = ("CUBE_TLS_CA=/etc/cube/pki/ca.pem CUBE_TLS_CERT=/etc/cube/pki/admin.pem "
+               "CUBE_TLS_KEY=/etc/cube/pki/admin.key") if tls else ""
+        return self.control.c.sh(shlex.join(["cubectl", "--master", "https://127.0.0.1:9090",
+                                             *args]), env=env, check=check)
 
     def api(self, method, path, body=None, check=True):
         args = ["curl", "-sS", "-m", "60", "-X", method, "-H", f"X-API-Key: {self.api_key}",
@@ -207,9 +164,10 @@ def sandbox_pids(name):
 
 
 def install(fleet, host, *args, bin_dir, agent):
-    # Executed directly, as the docs say to run it (its execute bit is part of what is tested).
-    return sh(INSTALL, *args, "--root", host.root, "--bin-dir", bin_dir, "--agent", agent,
-              timeout=300)
+    """install.sh on `host`, from the checkout, as root on that host (no --root: it installs
+    into the host's / and drives its systemd)."""
+    cmd = shlex.join([INSTALL, *args, "--bin-dir", bin_dir, "--agent", agent])
+    return host.c.sh(f"cd {shlex.quote(REPO)} && {cmd}", timeout=300)
 
 
 def from_docs(flag, subst):
@@ -240,7 +198,7 @@ def setup_network(fleet):
 
 
 def node_extra_config(fleet, name):
-    path = os.path.join(fleet.base, f"extra-{name}.toml")
+    path = os.path.join(fleet.xfer, f"extra-{name}.toml")
     n = 1 if name == "a" else 2
     with open(path, "w") as f:
         f.write(f"""
@@ -249,69 +207,40 @@ max_sandboxes = 8
 tmp_size_mib = 16
 ready_timeout_ms = 20000
 [cgroup]
+root = "{nspawn.HOST_CGROUPS}"
 parent = "{cgroup_parent(name)}"
 [pools]
 network = 1
 disks = 0
 [switch]
 host_pool = "10.239.{n}.0/24"
-pin_root = "/sys/fs/bpf/cube-fleet{UID}{name}"
+pin_root = "/run/cube-bpf"
 nft_table = "cube_fleet{UID}{name}"
 """)
     return path
 
 
 def teardown(fleet):
-    # Kill the sandboxes through the API while it is up, then stop daemons, then sweep.
-    if fleet.api_key and fleet.control.procs.get("cube-api.service"):
+    # Kill the sandboxes through the API while it is up, then the hosts, then sweep.
+    if fleet.api_key:
         try:
             _, lst = fleet.api("GET", "/sandboxes", check=False)
             for s in lst or []:
                 fleet.api("DELETE", f"/sandboxes/{s['sandboxID']}", check=False)
         except Exception:  # noqa: BLE001 - best effort, the sweep below follows
             pass
-    for h in fleet.hosts():
-        for unit in list(h.procs):
-            h.stop(unit, timeout=30)
-        for log in h.logs:
-            log.close()
     for name in fleet.nodes:
-        for _ in range(3):
-            pids = sandbox_pids(name)
-            if not pids:
-                break
-            for p in pids:
-                try:
-                    os.kill(p, signal.SIGKILL)
-                except OSError:
-                    pass
-            time.sleep(0.5)
-        for h in ("", "pids", "memory", "cpu", "freezer"):
-            top = os.path.join("/sys/fs/cgroup", h, cgroup_parent(name))
-            for d, _, _ in sorted(os.walk(top), key=lambda t: -len(t[0])):
-                try:
-                    os.rmdir(d)
-                except OSError:
-                    pass
-        pin = f"/sys/fs/bpf/cube-fleet{UID}{name}"
-        subprocess.run(["rm", "-rf", pin], stderr=subprocess.DEVNULL)
-    # Mounts under the roots (data dir loop images and whatever cubelet mounted in them),
-    # deepest first, then their loop devices.
-    with open("/proc/self/mountinfo") as f:
-        mps = [ln.split()[4] for ln in f if ln.split()[4].startswith(fleet.base + "/")]
-    for mp in sorted(set(mps), key=len, reverse=True):
-        subprocess.run(["umount", "-l", mp], stderr=subprocess.DEVNULL)
-    loops = subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout
-    for ln in loops.splitlines():
-        if fleet.base in ln:
-            subprocess.run(["losetup", "-d", ln.split(":")[0]], stderr=subprocess.DEVNULL)
+        nspawn.remove_cgroups(cgroup_parent(name))
     for h in fleet.hosts():
+        if h.c and h.c.leader:
+            print(f"--- {h.name}:\n" + h.c.journal(("cube-master", "cube-api", "cubelet"), 15))
+        nspawn.shutdown(h.c)
         subprocess.run(["ip", "netns", "del", h.ns], stderr=subprocess.DEVNULL)
     shutil.rmtree(fleet.base, ignore_errors=True)
 
 
 def test_fleet_install_restart_upgrade():
-    require_root()
+    nspawn.require()
     tgt = os.environ.get("CARGO_TARGET_DIR")
     if not tgt:
         pytest.fail("CARGO_TARGET_DIR must point at the cargo target dir with the debug binaries")
@@ -325,7 +254,7 @@ def test_fleet_install_restart_upgrade():
 
     fleet = Fleet()
     shutil.rmtree(fleet.base, ignore_errors=True)
-    os.makedirs(fleet.base)
+    os.makedirs(fleet.xfer)
     try:
         run_fleet(fleet, bin_dir, agent)
     finally:
@@ -336,44 +265,51 @@ def run_fleet(fleet, bin_dir, agent):
     t0 = time.time()
     setup_network(fleet)
     ctl = fleet.control
+    binds = (REPO, bin_dir, os.path.dirname(agent), fleet.xfer)
 
-    # --- control host: CA, certificates, master + api over mutual TLS.
+    # --- control host: CA, certificates, master + api over mutual TLS, started by install.sh.
+    ctl.boot(binds)
     install(fleet, ctl, *from_docs("--control", {"10.0.0.1": CTL_A, "/opt/cube/bin": bin_dir}),
             "--extra-san", f"IP:{CTL_B}", bin_dir=bin_dir, agent=agent)
     pki = os.path.join(ctl.root, "etc/cube/pki")
     for f in ("ca.pem", "ca.key", "master.pem", "api.pem", "admin.pem"):
         assert os.path.exists(os.path.join(pki, f)), f
-    ctl.start("cube-master.service")
-    ctl.start("cube-api.service")
+    for u in ("cube-master", "cube-api"):
+        wait(lambda u=u: ctl.c.active(u), f"{u} active (READY=1)", 90)
     fleet.api_key = fleet.cubectl("apikey", "create", "--name", "fleet").stdout.strip()
     assert fleet.api_key
 
     # Without a certificate the master refuses cubectl (mutual TLS is really on).
-    exe = os.path.join(ctl.root, "usr/local/bin/cubectl")
-    r = sh(exe, "--master", "https://127.0.0.1:9090", "nodes", ns=ctl.ns, check=False,
-           env={k: v for k, v in os.environ.items() if not k.startswith("CUBE_TLS_")})
-    assert r.returncode != 0
+    assert fleet.cubectl("nodes", tls=False, check=False).returncode != 0
 
-    # --- compute hosts: a certificate each (issued on the control host), a one-time token each.
+    # --- compute hosts: a certificate each (issued on the control host and copied over), a
+    # one-time token each, installed as the docs say; templates built with cubelet stopped.
     for name, ctl_ip, node_ip in (("a", CTL_A, NODE_A), ("b", CTL_B, NODE_B)):
         h = fleet.nodes[name]
-        sh(INSTALL, *from_docs("--issue-cert", {"node7": f"node-{name}", "/etc/cube/pki": pki,
-                                                "IP:10.0.0.7": f"IP:{node_ip}"}))
+        ctl.c.sh(f"cd {shlex.quote(REPO)} && " + shlex.join([INSTALL, *from_docs(
+            "--issue-cert", {"node7": f"node-{name}", "IP:10.0.0.7": f"IP:{node_ip}"})]))
+        certs = os.path.join(fleet.xfer, f"certs-{name}")
+        os.makedirs(certs)
+        for src, dst in (("ca.pem", "ca.pem"), (f"node-{name}.pem", "node.pem"),
+                         (f"node-{name}.key", "node.key")):
+            shutil.copy(os.path.join(pki, src), os.path.join(certs, dst))
         token = fleet.cubectl("join-token", "create").stdout.strip()
         assert token
+        extra = node_extra_config(fleet, name)
+        h.boot(binds)
         install(fleet, h, *from_docs("--compute", {
                     "https://10.0.0.1:9090": f"https://{ctl_ip}:9090", "TOKEN": token,
-                    "10.0.0.7": node_ip, "ca.pem": f"{pki}/ca.pem",
-                    "node7.pem": f"{pki}/node-{name}.pem", "node7.key": f"{pki}/node-{name}.key",
+                    "10.0.0.7": node_ip, "ca.pem": f"{certs}/ca.pem",
+                    "node7.pem": f"{certs}/node.pem", "node7.key": f"{certs}/node.key",
                     "/opt/cube/bin": bin_dir}),
                 "--node-id", node_id(name), "--loop-size-gib", "2", "--runtime", "namespace",
-                "--cubelet-extra", node_extra_config(fleet, name), bin_dir=bin_dir, agent=agent)
-        cfg = os.path.join(h.root, "etc/cube/cubelet.toml")
-        cubelet = os.path.join(h.root, "usr/local/bin/cubelet")
-        hostroot = os.path.join(fleet.base, f"hostroot-{name}")
-        sh(cubelet, "host-root", hostroot, "--programs", PROGRAMS)
-        sh(cubelet, "--config", cfg, "build-template", TEMPLATE, "--dir", hostroot, timeout=300)
-        h.start("cubelet.service")
+                "--cubelet-extra", extra, bin_dir=bin_dir, agent=agent)
+        wait(lambda h=h: h.c.active("cubelet"), f"cubelet on {name} active", 90)
+        h.stop("cubelet")
+        h.c.sh(f"cubelet host-root /var/tmp/hostroot --programs {PROGRAMS} >/dev/null && "
+               f"cubelet --config /etc/cube/cubelet.toml build-template {TEMPLATE} "
+               "--dir /var/tmp/hostroot >/dev/null")
+        h.start("cubelet")
     for name in fleet.nodes:
         wait(lambda n=name: fleet.node_ready(node_id(n)), f"node {name} ready in the master",
              timeout=60)
@@ -393,14 +329,14 @@ def run_fleet(fleet, bin_dir, agent):
 
     # --- stop node b: the master notices, sandboxes on b keep running, new ones go to a.
     b = fleet.nodes["b"]
-    b.stop("cubelet.service")
+    b.stop("cubelet")
     wait(lambda: not fleet.node_ready(node_id("b"), templates=False), "node b not ready",
          timeout=60)
     assert pids["b"] <= sandbox_pids("b"), "sandboxes on b died with their cubelet"
     _, sb = fleet.api("POST", "/sandboxes", {"templateID": TEMPLATE, "timeout": 600})
     ids.append(sb["sandboxID"])
     # --- start it again: it re-registers (saved secret, token already used) and re-adopts.
-    b.start("cubelet.service")
+    b.start("cubelet")
     wait(lambda: fleet.node_ready(node_id("b")), "node b ready again", timeout=60)
     assert pids["b"] <= sandbox_pids("b")
     for i in ids:
@@ -418,11 +354,21 @@ def run_fleet(fleet, bin_dir, agent):
     wait(lambda: 'cube_master_nodes{status="ready"} 2' in sh(
         "curl", "-fsS", "http://127.0.0.1:9092/metrics", ns=ctl.ns).stdout,
         "cube_master_nodes{status=ready} == 2", timeout=20)
-    print(f"fleet test body took {time.time() - t0:.1f}s")
+
+    # --- node a's cubelet SIGKILLed: systemd restarts it (Restart=on-failure), sandboxes stay.
+    a = fleet.nodes["a"].c
+    pid, restarts = a.main_pid("cubelet"), int(a.show("cubelet", "NRestarts"))
+    a.sh(f"kill -9 {pid}")
+    wait(lambda: a.active("cubelet") and a.main_pid("cubelet") not in (0, pid),
+         "cubelet on a restarted by systemd", 60)
+    assert int(a.show("cubelet", "NRestarts")) == restarts + 1
+    wait(lambda: fleet.node_ready(node_id("a")), "node a ready after its restart", timeout=60)
+    assert pids["a"] <= sandbox_pids("a"), "sandboxes on a died with their killed cubelet"
 
     # --- upgrade: new binaries (same code, one trailing byte so every file differs), install.sh
-    # re-run on every host, daemons restarted. Configs, keys, database and sandboxes stay.
-    new_bins = os.path.join(fleet.base, "new-bin")
+    # re-run on every host, control first: it restarts the running units on the new binaries.
+    # Configs, keys, database and sandboxes stay.
+    new_bins = os.path.join(fleet.xfer, "new-bin")
     os.makedirs(new_bins)
     for bname in ("cubelet", "cube-master", "cube-api", "cubectl"):
         shutil.copy(os.path.join(bin_dir, bname), os.path.join(new_bins, bname))
@@ -434,26 +380,23 @@ def run_fleet(fleet, bin_dir, agent):
     before = {n: sandbox_pids(n) for n in fleet.nodes}
     install(fleet, ctl, "--control", "--advertise", CTL_A, "--extra-san", f"IP:{CTL_B}",
             bin_dir=new_bins, agent=agent)
+    for unit in ("cube-master", "cube-api"):
+        wait(lambda u=unit: ctl.c.active(u), f"{unit} active after the upgrade", 90)
+        assert ctl.pid_exe_sha(unit) == sha(os.path.join(new_bins, unit))
     for name, ctl_ip, node_ip in (("a", CTL_A, NODE_A), ("b", CTL_B, NODE_B)):
         h = fleet.nodes[name]
+        certs = os.path.join(fleet.xfer, f"certs-{name}")
         install(fleet, h, "--compute", "--master", f"https://{ctl_ip}:9090",
                 "--advertise", node_ip, "--node-id", node_id(name), "--loop-size-gib", "2",
                 "--runtime", "namespace",
-                "--tls-ca", f"{pki}/ca.pem", "--tls-cert", f"{pki}/node-{name}.pem",
-                "--tls-key", f"{pki}/node-{name}.key", bin_dir=new_bins, agent=agent)
-    for p, digest in keep.items():
-        assert sha(p) == digest, f"install.sh changed {p} on upgrade"
-    # Restart in the order an operator would: control first, then the nodes one by one.
-    for unit in ("cube-master.service", "cube-api.service"):
-        ctl.stop(unit)
-        ctl.start(unit)
-        assert ctl.pid_exe_sha(unit) == sha(os.path.join(new_bins, unit.split(".")[0]))
-    for name, h in fleet.nodes.items():
-        h.stop("cubelet.service")
-        h.start("cubelet.service")
-        assert h.pid_exe_sha("cubelet.service") == sha(os.path.join(new_bins, "cubelet"))
+                "--tls-ca", f"{certs}/ca.pem", "--tls-cert", f"{certs}/node.pem",
+                "--tls-key", f"{certs}/node.key", bin_dir=new_bins, agent=agent)
+        wait(lambda h=h: h.c.active("cubelet"), f"cubelet on {name} active after the upgrade", 90)
+        assert h.pid_exe_sha("cubelet") == sha(os.path.join(new_bins, "cubelet"))
         wait(lambda n=name: fleet.node_ready(node_id(n)), f"node {name} ready after upgrade",
              timeout=60)
+    for p, digest in keep.items():
+        assert sha(p) == digest, f"install.sh changed {p} on upgrade"
     for n in fleet.nodes:
         assert before[n] <= sandbox_pids(n), f"sandboxes on {n} did not survive the upgrade"
     _, lst = fleet.api("GET", "/sandboxes")

@@ -13,13 +13,12 @@ import hashlib
 import json
 import os
 import shutil
-import signal
-import subprocess
 import time
 
 import pytest
 
 from doc_commands import REPO, install_command
+from nspawn import boot, cgroup_pids, remove_cgroups, require, shutdown, wait
 
 UID = f"{os.getpid() % 100000}"
 NAME = f"cubesd{UID}"
@@ -29,39 +28,6 @@ DATA_DIR = f"/var/lib/cube-sd{UID}"
 TEMPLATE = "sdmini"
 PROGRAMS = "sh,bash,cat,echo,ls,sleep,mkdir,rm,id,env,touch,sync,true,false,head,grep"
 UNITS = ("cube-master", "cube-api", "cubelet")
-# Host services this machine has installed that the container must not start as well.
-MASKED = ("postgresql.service", "postgresql@.service", "docker-registry.service",
-          "console-getty.service", "ssh.service", "cron.service")
-
-
-def need(what, ok):
-    if ok:
-        return
-    msg = f"tests/fleet/test_systemd.py needs {what}"
-    if os.environ.get("CUBE_REQUIRE_PRIV") == "1":
-        pytest.fail(msg)
-    pytest.skip(msg)
-
-
-def run(*args, check=True, timeout=300):
-    r = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout)
-    if check and r.returncode != 0:
-        raise AssertionError(f"{args} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
-    return r
-
-
-def wait(pred, what, timeout=60.0):
-    end = time.time() + timeout
-    last = None
-    while time.time() < end:
-        try:
-            v = pred()
-            if v:
-                return v
-        except Exception as e:  # noqa: BLE001 - retried until the deadline
-            last = e
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what} (last: {last})")
 
 
 def bins():
@@ -78,118 +44,8 @@ def bins():
     return d, agent
 
 
-class Container:
-    def __init__(self):
-        self.proc = None
-        self.leader = None
-
-    def sh(self, cmd, check=True, timeout=300):
-        """`cmd` (a shell line) inside the container, in all its namespaces."""
-        return run("nsenter", "-t", str(self.leader), "-a", "--", "sh", "-c", cmd,
-                   check=check, timeout=timeout)
-
-    def show(self, unit, prop):
-        return self.sh(f"systemctl show {unit} -p {prop} --value").stdout.strip()
-
-    def main_pid(self, unit):
-        return int(self.show(unit, "MainPID"))
-
-    def active(self, unit):
-        return self.show(unit, "ActiveState") == "active"
-
-
-def boot(bin_dir, agent_dir):
-    upper, work, root = (os.path.join(BASE, d) for d in ("upper", "work", "root"))
-    for d in (upper, work, root):
-        os.makedirs(d)
-    units = os.path.join(upper, "etc/systemd/system")
-    os.makedirs(units)
-    for u in MASKED:
-        os.symlink("/dev/null", os.path.join(units, u))
-    # The container's /dev is its own: the loop devices cubelet's XFS image needs.
-    os.makedirs(os.path.join(upper, "etc/tmpfiles.d"))
-    with open(os.path.join(upper, "etc/tmpfiles.d/cube-loop.conf"), "w") as f:
-        f.write("c /dev/loop-control 0660 root disk - 10:237\n")
-        for i in range(64):
-            f.write(f"b /dev/loop{i} 0660 root disk - 7:{i}\n")
-    run("mount", "-t", "overlay", "overlay", "-o",
-        f"lowerdir=/,upperdir={upper},workdir={work}", root)
-    c = Container()
-    log = open(os.path.join(BASE, "console.log"), "w")
-    binds = {REPO, bin_dir, agent_dir}
-    # API_VFS_WRITABLE: cubelet mounts bpffs, writes /proc/sys. The extra system calls and all
-    # capabilities: cubelet makes namespaces, loop mounts, BPF programs and nftables rules.
-    c.proc = subprocess.Popen(
-        ["systemd-nspawn", "-D", root, "--boot", "--register=no", "--keep-unit", "-M", NAME,
-         "--private-network", "--capability=all",
-         "--system-call-filter=bpf perf_event_open @mount @privileged",
-         "--bind=/sys/fs/cgroup:/run/hostcg", *[f"--bind-ro={b}" for b in sorted(binds)],
-         "systemd.unit=basic.target"],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        env=dict(os.environ, SYSTEMD_NSPAWN_API_VFS_WRITABLE="1"), start_new_session=True)
-
-    def leader():
-        kids = run("pgrep", "-P", str(c.proc.pid), check=False).stdout.split()
-        return int(kids[0]) if kids else None
-
-    c.leader = wait(leader, "the container's PID 1", 30)
-    wait(lambda: c.sh("systemctl is-system-running", check=False).stdout.strip()
-         in ("running", "degraded"), "systemd in the container to finish booting", 120)
-    assert c.sh("cat /proc/1/comm").stdout.strip() == "systemd"
-    # A host has an address on some uplink: the node's connections to its sandboxes take their
-    # source address from it (a private network has only loopback).
-    c.sh("ip link add uplink0 type veth peer name uplink1 && ip addr add 10.251.0.1/24 dev uplink0"
-         " && ip link set uplink0 up && ip link set uplink1 up")
-    return c
-
-
-def kill_sandboxes():
-    """SIGKILLs whatever runs in the node's sandbox cgroups (made on this host's hierarchies)."""
-    for pid in sandbox_pids():
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-
-
-def teardown(c):
-    # Sandboxes outlive their cubelet by design (KillMode=process): end them first, so that the
-    # container shuts down at once.
-    kill_sandboxes()
-    if c and c.proc and c.proc.poll() is None:
-        c.proc.send_signal(signal.SIGTERM)   # nspawn: a clean shutdown of the container
-        try:
-            c.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            # The container's PID 1: the kernel ends everything in its PID namespace with it.
-            if c.leader:
-                try:
-                    os.kill(c.leader, signal.SIGKILL)
-                except OSError:
-                    pass
-            c.proc.wait(timeout=30)
-    run("umount", "-l", os.path.join(BASE, "root"), check=False)
-    for h in os.listdir("/sys/fs/cgroup"):
-        top = os.path.join("/sys/fs/cgroup", h, CGROUP_PARENT)
-        if os.path.isdir(top):
-            for d, _, _ in sorted(os.walk(top), key=lambda x: -len(x[0])):
-                try:
-                    os.rmdir(d)
-                except OSError:
-                    pass
-    shutil.rmtree(BASE, ignore_errors=True)
-
-
 def sandbox_pids():
-    pids = set()
-    top = os.path.join("/sys/fs/cgroup/pids", CGROUP_PARENT)
-    if not os.path.isdir(top):
-        return pids
-    for d, _, files in os.walk(top):
-        if "cgroup.procs" in files:
-            with open(os.path.join(d, "cgroup.procs")) as f:
-                pids.update(int(x) for x in f.read().split())
-    return pids
+    return cgroup_pids(CGROUP_PARENT)
 
 
 def sha(path):
@@ -198,15 +54,13 @@ def sha(path):
 
 
 def test_units_under_systemd_start_restart_stop_and_keep_sandboxes():
-    need("root", os.geteuid() == 0)
-    need("systemd-nspawn (apt-get install systemd-container)", shutil.which("systemd-nspawn"))
-    need("systemd (/lib/systemd/systemd)", os.path.exists("/lib/systemd/systemd"))
+    require()
     bin_dir, agent = bins()
     shutil.rmtree(BASE, ignore_errors=True)
     c = None
     try:
         t0 = time.time()
-        c = boot(bin_dir, os.path.dirname(agent))
+        c = boot(NAME, BASE, binds=(REPO, bin_dir, os.path.dirname(agent)))
         extra = os.path.join(BASE, "upper/etc/cube-test-extra.toml")
         with open(extra, "w") as f:
             f.write(f"""
@@ -300,8 +154,7 @@ ready_timeout_ms = 20000
         print(f"systemd test body took {time.time() - t0:.1f}s")
     finally:
         if c and c.leader:
-            # What the daemons logged, for a failure.
-            r = c.sh("journalctl -u cube-master -u cube-api -u cubelet --no-pager -o cat "
-                     "| grep -v IFLA_INET6_CONF | tail -40", check=False)
-            print(r.stdout)
-        teardown(c)
+            print(c.journal(UNITS))   # what the daemons logged, for a failure
+        remove_cgroups(CGROUP_PARENT)
+        shutdown(c)
+        shutil.rmtree(BASE, ignore_errors=True)
