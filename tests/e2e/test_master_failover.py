@@ -15,7 +15,7 @@ import urllib.request
 
 from e2b import Sandbox
 
-from conftest import TEMPLATE, _port_open
+from conftest import TEMPLATE, _port_open, reserve_port
 
 
 def leading(cube):
@@ -170,4 +170,26 @@ def test_leader_sigkill_under_sdk_load_fails_over_to_the_standby(cube_ha):
     s.kill()
     with open(f"{cube.root}/master{standby or ''}.log") as f:
         assert "lost the lead" in f.read()
+    # Create p50 through this standby-aware cube-api (both masters, the leader second in its
+    # list when it was first tried) and through a cube-api that knows only the leader,
+    # alternated in one run (this machine is noisy).
+    ap, ep = reserve_port(), reserve_port()
+    cfg = f"{cube.root}/api-single.toml"
+    with open(cfg, "w") as f:
+        f.write(f'api_addr = "127.0.0.1:{ap}"\nedge_addr = "127.0.0.1:{ep}"\n'
+                f'master_url = "{cube.master_urls[lead]}"\nmetrics_addr = ""\n')
+    single = cube.start([cube.api_bin, "--config", cfg], "api-single.log")
+    wait_for(lambda: _port_open(ap), "the single-master cube-api")
+    times = {"standby-aware": [], "single master": []}
+    for i in range(30):
+        which = "standby-aware" if i % 2 == 0 else "single master"
+        kw = {} if which == "standby-aware" else {
+            "api_url": f"http://127.0.0.1:{ap}", "sandbox_url": f"http://127.0.0.1:{ep}"}
+        t = time.time()
+        s = Sandbox.create(TEMPLATE, timeout=60, **kw)
+        times[which].append(time.time() - t)
+        s.kill()
+    single.terminate()
+    p50 = {k: statistics.median(v) * 1000 for k, v in times.items()}
+    print("create p50 (15 each, alternated): " + ", ".join(f"{k} {v:.0f} ms" for k, v in p50.items()))
     keep.kill()
