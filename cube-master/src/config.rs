@@ -39,7 +39,8 @@ pub struct MasterConfig {
     pub default_memory_mib: u64,
     /// How long a node may take to create a sandbox (agent healthy), in milliseconds.
     pub create_timeout_ms: u64,
-    /// Reported when the agent's version cannot be read.
+    /// Reported when the node does not know the sandbox agent's envd version (a template built
+    /// before builds recorded it).
     pub default_envd_version: String,
     /// RegisterNode needs a one-time join token (CreateJoinToken). False = any node that can
     /// reach the master may register (single-host convenience).

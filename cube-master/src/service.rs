@@ -12,7 +12,6 @@ use cube_proto::nodev1 as node;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tracing::Instrument;
 
 /// Parameters of a create.
@@ -128,14 +127,6 @@ fn valid_template(t: &str) -> bool {
         && t.len() <= 64
         && t.bytes()
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
-}
-
-/// Why one envd version probe got no version.
-enum Probe {
-    /// Nothing listens there (or the address is not one): no agent to wait for.
-    Refused,
-    /// No answer yet (timed out, unreachable, cut off): worth another try.
-    NoAnswer(String),
 }
 
 impl Controller {
@@ -503,10 +494,13 @@ impl Controller {
         row.build = sb.build.clone();
         row.runtime = sb.runtime.clone();
         row.disk_mib = sb.shape.as_ref().map(|s| s.disk_mib as i64).unwrap_or(0);
-        row.envd_version = self
-            .probe_envd_version(&row.agent_address, &row.host_interface)
-            .await
-            .unwrap_or_else(|| self.cfg.default_envd_version.clone());
+        // What the node recorded for the template's agent; a build from before it was
+        // recorded gets the configured default.
+        row.envd_version = if sb.envd_version.is_empty() {
+            self.cfg.default_envd_version.clone()
+        } else {
+            sb.envd_version.clone()
+        };
         self.db.set_placement(row).await?;
         // The timeout counts from when the sandbox is usable.
         let start = crate::now_ms();
@@ -622,75 +616,6 @@ impl Controller {
                 status: Box::new(tonic::Status::deadline_exceeded("create timed out")),
             }),
         }
-    }
-
-    /// Reads `x-envd-version` from the agent's /health (what the agent really implements).
-    async fn probe_envd_version(&self, addr: &str, iface: &str) -> Option<String> {
-        // A sandbox restored from a running one's snapshot (a microVM fork) may take a moment
-        // before its guest network answers, though the node already reached it over vsock:
-        // retry an agent that does not answer for a while. One that refuses the connection is
-        // not there at all, and one that answers without the header is an older agent: the
-        // fallback, at once.
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        loop {
-            match Self::probe_envd_once(addr, iface).await {
-                Ok(v) => return v,
-                Err(Probe::Refused) => return None,
-                Err(Probe::NoAnswer(_)) if tokio::time::Instant::now() < deadline => {
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-                Err(Probe::NoAnswer(why)) => {
-                    tracing::warn!(agent = %addr, %why, "envd version probe: no answer; using the default");
-                    return None;
-                }
-            }
-        }
-    }
-
-    /// `Ok(version header)` from one `GET /health`.
-    async fn probe_envd_once(addr: &str, iface: &str) -> Result<Option<String>, Probe> {
-        let sa: std::net::SocketAddr = addr.parse().map_err(|_| Probe::Refused)?;
-        let no_answer = |e: std::io::Error| {
-            if e.kind() == std::io::ErrorKind::ConnectionRefused {
-                Probe::Refused
-            } else {
-                Probe::NoAnswer(e.to_string())
-            }
-        };
-        let fut = async {
-            let sock = if sa.is_ipv4() {
-                tokio::net::TcpSocket::new_v4()
-            } else {
-                tokio::net::TcpSocket::new_v6()
-            }
-            .map_err(no_answer)?;
-            if !iface.is_empty() {
-                sock.bind_device(Some(iface.as_bytes()))
-                    .map_err(no_answer)?;
-            }
-            let mut s = sock.connect(sa).await.map_err(no_answer)?;
-            s.write_all(b"GET /health HTTP/1.0\r\nHost: agent\r\n\r\n")
-                .await
-                .map_err(no_answer)?;
-            let mut buf = Vec::new();
-            s.take(16 * 1024)
-                .read_to_end(&mut buf)
-                .await
-                .map_err(no_answer)?;
-            if !buf.starts_with(b"HTTP/") {
-                return Err(Probe::NoAnswer("not an HTTP response".into()));
-            }
-            let text = String::from_utf8_lossy(&buf);
-            Ok(text.lines().take_while(|l| !l.is_empty()).find_map(|l| {
-                let (k, v) = l.split_once(':')?;
-                k.trim()
-                    .eq_ignore_ascii_case("x-envd-version")
-                    .then(|| v.trim().to_string())
-            }))
-        };
-        tokio::time::timeout(Duration::from_secs(2), fut)
-            .await
-            .map_err(|_| Probe::NoAnswer("timed out".into()))?
     }
 
     /// Records when a sandbox ends, and tells its node (the node kills a running sandbox

@@ -209,6 +209,9 @@ async fn idempotent_creates(url: String) {
     ids.dedup();
     assert_eq!(ids.len(), 1, "{ids:?}");
     assert_eq!(node.creates.load(Ordering::SeqCst), 1);
+    // The envd version is the one the node reported for the sandbox's agent.
+    let row = ctl.get("t", &ids[0]).await.unwrap();
+    assert_eq!(row.envd_version, common::FAKE_ENVD_VERSION);
     assert_eq!(ctl.metrics.idempotent_replays.get(), 3);
     // A later retry answers with it too; the same key for another request is refused.
     assert_eq!(ctl.create(keyed("k-1")).await.unwrap().id, ids[0]);

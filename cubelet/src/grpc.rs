@@ -152,6 +152,7 @@ fn sandbox_to(node: &Node, s: &SandboxState) -> pb::Sandbox {
         from_pool: s.from_pool,
         network: Some(policy_to(&s.policy)),
         end_at_ms: s.end_at_ms,
+        envd_version: s.envd_version.clone(),
     }
 }
 

@@ -72,6 +72,9 @@ pub struct SandboxState {
     pub created_at_ms: u64,
     pub create_latency_us: u64,
     pub from_pool: bool,
+    /// The envd version of its template's agent (the build's manifest), for the master.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub envd_version: String,
     /// When the master says it ends (unix ms; 0 = no end): the node's backstop kills a running
     /// sandbox `sandbox.end_grace_s` after it.
     #[serde(default, skip_serializing_if = "is_zero")]
@@ -278,6 +281,7 @@ mod tests {
             created_at_ms: 1,
             create_latency_us: 2,
             from_pool: false,
+            envd_version: String::new(),
             end_at_ms: 0,
             stopped: false,
             init: None,

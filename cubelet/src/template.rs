@@ -161,6 +161,10 @@ pub struct Manifest {
     pub shape: ManifestShape,
     pub rootfs: RootfsInfo,
     pub agent_sha256: String,
+    /// The envd version the build's agent reports (`cube-agent --version`), which the master
+    /// hands to the SDKs; empty for builds from before it was recorded.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub agent_version: String,
     pub kernel_sha256: Option<String>,
     pub vmm_version: Option<String>,
     pub cpu_model_hash: Option<String>,
@@ -395,6 +399,29 @@ impl TemplateStore {
         })
     }
 
+    /// What the agent binary says its envd version is (`cube-agent --version` prints
+    /// `cube-agent X.Y.Z`); empty, with a warning, when it cannot say.
+    fn agent_version(&self) -> String {
+        let out = std::process::Command::new(&self.agent_binary)
+            .arg("--version")
+            .output();
+        match out {
+            Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout)
+                .split_whitespace()
+                .last()
+                .unwrap_or_default()
+                .to_string(),
+            Ok(o) => {
+                tracing::warn!(agent = %self.agent_binary.display(), status = %o.status, "agent --version failed; the build records no envd version");
+                String::new()
+            }
+            Err(e) => {
+                tracing::warn!(agent = %self.agent_binary.display(), error = %e, "agent --version failed; the build records no envd version");
+                String::new()
+            }
+        }
+    }
+
     /// The recipe hash: everything that determines the rootfs bytes.
     pub fn recipe_hash(&self, source: &Source, extra_mib: u64) -> Result<String, TemplateError> {
         let input = match source {
@@ -581,6 +608,7 @@ impl TemplateStore {
                 bytes,
             },
             agent_sha256: self.agent_digest()?,
+            agent_version: self.agent_version(),
             kernel_sha256: None,
             vmm_version: None,
             cpu_model_hash: None,

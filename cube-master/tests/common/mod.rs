@@ -184,6 +184,9 @@ pub struct Handle(pub Arc<FakeNode>);
 
 type R<T> = Result<Response<T>, Status>;
 
+/// The envd version the fake node reports for its sandboxes (not the master's default).
+pub const FAKE_ENVD_VERSION: &str = "0.9.9";
+
 fn sb(id: &str, state: i32) -> pb::Sandbox {
     pb::Sandbox {
         sandbox_id: id.into(),
@@ -192,6 +195,7 @@ fn sb(id: &str, state: i32) -> pb::Sandbox {
         state,
         runtime: "namespace".into(),
         agent_address: "127.0.0.1:1".into(),
+        envd_version: FAKE_ENVD_VERSION.into(),
         ..Default::default()
     }
 }

@@ -278,6 +278,7 @@ impl Node {
             created_at_ms: crate::template::now_ms(),
             create_latency_us: 0,
             from_pool: false,
+            envd_version: manifest.agent_version.clone(),
             end_at_ms: req.end_at_ms,
             stopped: false,
             init: None,
@@ -306,6 +307,8 @@ impl Node {
                 let st = &mut *guard;
                 st.phase = Phase::Running;
                 st.from_pool = c.from_pool;
+                // A pooled sandbox's state may have replaced this one's fields.
+                st.envd_version = manifest.agent_version.clone();
                 st.create_latency_us = t0.elapsed().as_micros() as u64;
                 h.save(&req.id, st).map(|_| c)
             }

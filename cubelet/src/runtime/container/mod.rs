@@ -876,6 +876,7 @@ impl<L: Launcher> Container<L> {
             created_at_ms: crate::template::now_ms(),
             create_latency_us: 0,
             from_pool: true,
+            envd_version: String::new(),
             end_at_ms: 0,
             stopped: false,
             init: None,
