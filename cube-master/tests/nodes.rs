@@ -5,22 +5,13 @@
 #[macro_use]
 mod common;
 
-use common::{controller, serve, FakeNode};
+use common::{controller, params, serve, FakeNode};
 use cube_master::service::{Controller, CreateParams, ListParams};
 use cube_master::state::SandboxState;
 use cube_master::{MasterConfig, MasterError};
 use cube_proto::master::v1 as pb;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
-
-fn params() -> CreateParams {
-    CreateParams {
-        team_id: "t".into(),
-        template: "base".into(),
-        timeout_s: 600,
-        ..Default::default()
-    }
-}
 
 fn reg(id: &str, address: &str, token: &str, secret: &str) -> pb::RegisterNodeRequest {
     pb::RegisterNodeRequest {

@@ -6,10 +6,10 @@
 
 mod common;
 
-use common::{FakeNode, TestDb};
+use common::{params, FakeNode, TestDb};
 use cube_master::db::SandboxRow;
 use cube_master::error::MasterError;
-use cube_master::service::{Controller, CreateParams};
+use cube_master::service::Controller;
 use cube_master::state::SandboxState;
 use cube_master::MasterConfig;
 use std::collections::BTreeSet;
@@ -17,15 +17,6 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-fn params() -> CreateParams {
-    CreateParams {
-        team_id: "t".into(),
-        template: "base".into(),
-        timeout_s: 600,
-        ..Default::default()
-    }
-}
 
 async fn master(url: &str, node: &Arc<FakeNode>) -> (Arc<Controller>, impl Drop) {
     let (addr, stop) = common::serve(node.clone()).await;

@@ -466,6 +466,19 @@ async fn restarted_cubelet_readopts_gvisor_sandboxes() {
     restart_readopts("gvisor").await;
 }
 
+/// A gVisor cubelet whose pauses go to disk (`[gvisor] pause_to_disk`).
+fn gvisor_pausing_to_disk(name: &str) -> Cubelet {
+    Cubelet::new(
+        name,
+        Opts {
+            runtime: Some("gvisor"),
+            network_pool: 1,
+            gvisor_pause_to_disk: true,
+            ..Default::default()
+        },
+    )
+}
+
 /// `[gvisor] pause_to_disk` (opt-in): a pause is a `runsc checkpoint` that stops the sandbox,
 /// so nothing of it runs; it is re-adopted by a restarted cubelet from its image, and a resume
 /// restores it with its memory. Debian's runsc restores about one checkpoint in ten with the
@@ -474,15 +487,7 @@ async fn restarted_cubelet_readopts_gvisor_sandboxes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gvisor_pause_to_disk_stops_the_sandbox_and_survives_a_restart() {
     cube_testkit::require_priv!("cubelet::gvisor_pause_to_disk");
-    let mut c = Cubelet::new(
-        "gpd",
-        Opts {
-            runtime: Some("gvisor"),
-            network_pool: 1,
-            gvisor_pause_to_disk: true,
-            ..Default::default()
-        },
-    );
+    let mut c = gvisor_pausing_to_disk("gpd");
     let mut cl = c.start().await;
     let sb = cl
         .create_sandbox(create_req("disk1"))
@@ -1301,15 +1306,7 @@ fn fill_disk(dir: &std::path::Path, leave: u64) -> std::path::PathBuf {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gvisor_pause_to_disk_on_a_full_disk_fails_clearly_and_keeps_running() {
     cube_testkit::require_priv!("cubelet::gvisor_pause_disk_full");
-    let mut c = Cubelet::new(
-        "gpf",
-        Opts {
-            runtime: Some("gvisor"),
-            network_pool: 1,
-            gvisor_pause_to_disk: true,
-            ..Default::default()
-        },
-    );
+    let mut c = gvisor_pausing_to_disk("gpf");
     let mut cl = c.start().await;
     let sb = cl
         .create_sandbox(create_req("pf1"))

@@ -5,6 +5,7 @@ Binaries come from $CARGO_TARGET_DIR/debug (cube-master, cube-api, cubectl, cube
 from $CUBE_AGENT_BIN (default: $CARGO_TARGET_DIR/debug/cube-agent). Needs root (cubelet).
 """
 
+import json
 import os
 import re
 import shutil
@@ -64,6 +65,20 @@ def _port_open(port):
     with socket.socket() as s:
         s.settimeout(0.5)
         return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def running_in_master(cube):
+    """The ids of the sandboxes the master has running (cubectl sandbox list)."""
+    out = subprocess.run(cube.cubectl + ["--json", "sandbox", "list"], check=True,
+                         capture_output=True, text=True).stdout
+    return {s["id"] for s in json.loads(out) if s.get("state") == "running"}
+
+
+def running_on_node(cube):
+    """How many sandboxes the node runs (its cube_sandboxes gauge)."""
+    text = urllib.request.urlopen(cube.cubelet_http + "/metrics", timeout=5).read().decode()
+    m = re.search(r'^cube_sandboxes\{state="running"\} (\d+)', text, re.M)
+    return int(m.group(1)) if m else 0
 
 
 class Cube:

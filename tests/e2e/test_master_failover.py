@@ -15,7 +15,7 @@ import urllib.request
 
 from e2b import Sandbox
 
-from conftest import TEMPLATE, _port_open, reserve_port
+from conftest import TEMPLATE, _port_open, reserve_port, running_in_master, running_on_node
 
 
 def leading(cube):
@@ -43,18 +43,6 @@ def wait_for(pred, what, timeout=30):
             return v
         time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {what}")
-
-
-def running_in_master(cube):
-    out = subprocess.run(cube.cubectl + ["--json", "sandbox", "list"], check=True,
-                         capture_output=True, text=True).stdout
-    return {s["id"] for s in json.loads(out) if s.get("state") == "running"}
-
-
-def running_on_node(cube):
-    text = urllib.request.urlopen(cube.cubelet_http + "/metrics", timeout=5).read().decode()
-    m = re.search(r'^cube_sandboxes\{state="running"\} (\d+)', text, re.M)
-    return int(m.group(1)) if m else 0
 
 
 def nodes(cube):

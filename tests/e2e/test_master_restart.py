@@ -5,30 +5,14 @@ create makes two sandboxes (each carries an idempotency key end to end, and a cr
 master left unfinished is failed at start), a sandbox from before keeps its files, and the node
 and the master agree on what runs once the master has reconciled."""
 
-import json
 import os
-import re
 import socket
-import subprocess
 import threading
 import time
-import urllib.request
 
 from e2b import Sandbox
 
-from conftest import TEMPLATE
-
-
-def running_in_master(cube):
-    out = subprocess.run(cube.cubectl + ["--json", "sandbox", "list"], check=True,
-                         capture_output=True, text=True).stdout
-    return {s["id"] for s in json.loads(out) if s.get("state") == "running"}
-
-
-def running_on_node(cube):
-    text = urllib.request.urlopen(cube.cubelet_http + "/metrics", timeout=5).read().decode()
-    m = re.search(r'^cube_sandboxes\{state="running"\} (\d+)', text, re.M)
-    return int(m.group(1)) if m else 0
+from conftest import TEMPLATE, running_in_master, running_on_node
 
 
 def master_port(cube):

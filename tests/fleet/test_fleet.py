@@ -23,6 +23,7 @@ import time
 import pytest
 
 import nspawn
+from nspawn import wait
 from doc_commands import REPO, install_command
 
 # Run from the checkout by its documented path, executed directly (its execute bit is tested).
@@ -42,20 +43,6 @@ def sh(*args, ns=None, check=True, env=None, timeout=120):
     if check and r.returncode != 0:
         raise AssertionError(f"{shlex.join(cmd)} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
     return r
-
-
-def wait(pred, what, timeout=60.0, every=0.2):
-    end = time.time() + timeout
-    last = None
-    while time.time() < end:
-        try:
-            v = pred()
-            if v:
-                return v
-        except Exception as e:  # noqa: BLE001 - retried until the deadline
-            last = e
-        time.sleep(every)
-    raise AssertionError(f"timed out waiting for {what} (last error: {last})")
 
 
 def sha(path):

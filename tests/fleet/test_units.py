@@ -46,6 +46,11 @@ def test_service_properties():
     c = unit("cubelet.service")
     # Upgrades restart cubelet with sandboxes running: only the daemon may be signalled.
     assert c["Service"]["KillMode"] == "process"
+    # cubelet opens /dev/kvm, loop devices and /dev/net/tun: no device ACL, explicit or implied
+    # (ProtectClock= implies DeviceAllow=char-rtc, which older systemd turns into "only that").
+    for key in ("DeviceAllow", "DevicePolicy", "PrivateDevices", "ProtectClock"):
+        assert key not in c["Service"], f"cubelet.service sets {key}="
+    assert "CAP_SYS_TIME" in c["Service"]["CapabilityBoundingSet"]
     mounts = c["Unit"]["RequiresMountsFor"].split()
     assert "/var/lib/cube" in mounts and "/sys/fs/bpf" in mounts
     m = unit("cube-master.service")["Service"]

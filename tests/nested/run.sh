@@ -8,7 +8,7 @@
 #
 #   --timeout S  stop L1 after S seconds (default 2400); a step that has not reported by then fails
 #                (NESTED_STEP_LIMIT, default 450 s, stops one step; a timed-out step, or one a
-#                wedged L1 never reported, runs again in a fresh L1, up to NESTED_MAX_BOOTS (4)
+#                wedged L1 never reported, runs again in a fresh L1, up to NESTED_MAX_BOOTS (8)
 #                boots, and each try's log is printed)
 #   --mem MIB    L1 memory (default 10240)
 #   --only S,..  run only these steps of tests/nested/steps (debugging; CI runs them all)
@@ -258,8 +258,8 @@ step_limit=${NESTED_STEP_LIMIT:-450}
 stall_s=$((step_limit + 120))
 # A living L1 writes its heartbeat every 10 s; L1 reaches the plan in about a minute of wall time.
 wedge_s=${NESTED_WEDGE_S:-120}
-boot_s=${NESTED_BOOT_S:-300}
-max_boots=${NESTED_MAX_BOOTS:-4}
+boot_s=${NESTED_BOOT_S:-180}
+max_boots=${NESTED_MAX_BOOTS:-8}
 declare -A step_boot # the boot whose report counts for each step (its last try)
 start=$(date +%s)
 deadline=$((start + timeout_s))

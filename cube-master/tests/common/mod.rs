@@ -184,6 +184,16 @@ pub struct Handle(pub Arc<FakeNode>);
 
 type R<T> = Result<Response<T>, Status>;
 
+/// A create of `base` for team `t`, 600 s.
+pub fn params() -> cube_master::service::CreateParams {
+    cube_master::service::CreateParams {
+        team_id: "t".into(),
+        template: "base".into(),
+        timeout_s: 600,
+        ..Default::default()
+    }
+}
+
 /// The envd version the fake node reports for its sandboxes (not the master's default).
 pub const FAKE_ENVD_VERSION: &str = "0.9.9";
 
