@@ -137,17 +137,7 @@ def cgroup_parent(name):
 
 def sandbox_pids(name):
     """Every process in the node's sandbox cgroups (cubelet itself is not in them)."""
-    pids = set()
-    for h in ("", "pids", "memory", "cpu", "freezer"):
-        top = os.path.join("/sys/fs/cgroup", h, cgroup_parent(name))
-        for d, _, files in os.walk(top):
-            if "cgroup.procs" in files:
-                try:
-                    with open(os.path.join(d, "cgroup.procs")) as f:
-                        pids.update(int(x) for x in f.read().split())
-                except OSError:
-                    pass
-    return pids
+    return nspawn.cgroup_pids(cgroup_parent(name))
 
 
 def install(fleet, host, *args, bin_dir, agent):
