@@ -155,6 +155,16 @@ fn ifname_of(ifindex: u32) -> Option<String> {
     Some(s.to_string_lossy().into_owned())
 }
 
+/// The result of an operation on a link that may vanish under us (a sandbox's namespace torn
+/// down by the kernel, which deletes its veth asynchronously): once the link is gone there is
+/// nothing left to undo on it, so its failure is not one.
+fn unless_gone(ifindex: u32, r: Result<()>) -> Result<()> {
+    match r {
+        Err(_) if ifname_of(ifindex).is_none() => Ok(()),
+        r => r,
+    }
+}
+
 fn ifindex_of(name: &str) -> Result<u32> {
     let c = std::ffi::CString::new(name).map_err(|_| Error::NoSuchInterface(name.into()))?;
     // SAFETY: c is a valid NUL-terminated string.
@@ -821,8 +831,8 @@ impl Switch {
         let addr = ip_from_be(old.host_ip);
         self.by_addr.remove(&addr);
         if ifname_of(port.ifindex).is_some() {
-            route::del_host_route(addr, port.ifindex)?;
-            route::del_host_neigh(addr, port.ifindex)?;
+            unless_gone(port.ifindex, route::del_host_route(addr, port.ifindex))?;
+            unless_gone(port.ifindex, route::del_host_neigh(addr, port.ifindex))?;
         }
         self.clear_policy(port.ifindex)?;
         self.write_exposed(port.ifindex, &[])?;
@@ -854,14 +864,16 @@ impl Switch {
                     (PROG_FROM_GUEST, TcAttachType::Ingress),
                     (PROG_TO_GUEST, TcAttachType::Egress),
                 ] {
-                    match tc::qdisc_detach_program(&name, dir, prog) {
-                        Ok(()) => {}
+                    let r = match tc::qdisc_detach_program(&name, dir, prog) {
+                        Ok(()) => Ok(()),
                         Err(tc::TcError::IoError(e))
-                            if e.kind() == std::io::ErrorKind::NotFound => {}
-                        Err(e) => {
-                            return Err(Error::Netlink(format!("detaching from {name}: {e}")))
+                            if e.kind() == std::io::ErrorKind::NotFound =>
+                        {
+                            Ok(())
                         }
-                    }
+                        Err(e) => Err(Error::Netlink(format!("detaching from {name}: {e}"))),
+                    };
+                    unless_gone(port.ifindex, r)?;
                 }
             }
         } else {
@@ -996,4 +1008,18 @@ fn remove_pins(root: &Path) {
         let _ = std::fs::remove_dir(&d);
     }
     let _ = std::fs::remove_dir(root);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failure_on_a_vanished_link_is_not_one() {
+        let err = || Err(Error::Netlink("detaching: No such device".into()));
+        // No link has index u32::MAX; loopback is always 1.
+        assert!(unless_gone(u32::MAX, err()).is_ok());
+        assert!(unless_gone(1, err()).is_err());
+        assert!(unless_gone(1, Ok(())).is_ok());
+    }
 }
