@@ -5,7 +5,7 @@ code-interpreter-v1).
 
 Target (issue 10): the first run_code("1+1") after Sandbox.create() returns, p50 <= 30 ms.
 
-Starts its own stack (tests/interpreter/stack.py; needs root and the debug binaries, see there),
+Starts its own stack (tests/stack.py, `interpreter_stack`; needs root and the debug binaries, see there),
 prints a markdown table and writes JSON to --out DIR (default
 benches/results/interp-bench-<unix time>/).
 
@@ -21,7 +21,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.abspath(os.path.join(HERE, "..", ".."))
-sys.path.insert(0, os.path.join(REPO, "tests", "interpreter"))
+sys.path.insert(0, os.path.join(REPO, "tests"))
 
 import stack  # noqa: E402
 
@@ -91,7 +91,7 @@ def agent_only(args):
 def sdk_stack(args):
     """The real SDK against the real stack: fresh sandbox -> first run_code("1+1")."""
     tag = "ib" if args.runtime == "namespace" else f"ib{args.runtime[:2]}"
-    with stack.cube_stack(tag=tag, log=lambda m: print(m, file=sys.stderr), runtime=args.runtime) as cube:
+    with stack.interpreter_stack(tag=tag, log=lambda m: print(m, file=sys.stderr), runtime=args.runtime) as cube:
         from e2b_code_interpreter import Sandbox
 
         # One warm-up sandbox: first connections, page cache of the template image.

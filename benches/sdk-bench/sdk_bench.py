@@ -124,15 +124,14 @@ def bench_list(api_url, key, Sandbox, template, n_sandboxes, n_requests, conc):
 
 def uncached_edge(cube):
     """A second cube-api on the local stack's master with the edge cache off (for before/after)."""
-    import subprocess
-    import conftest
-    ap, ep, mp = conftest._free_port(), conftest._free_port(), conftest._free_port()
-    cfg = os.path.join(cube.root, "api-nocache.toml")
-    with open(cfg, "w") as f:
-        f.write(f'api_addr = "127.0.0.1:{ap}"\nedge_addr = "127.0.0.1:{ep}"\n'
-                f'master_url = "{cube.master_url}"\nmetrics_addr = "127.0.0.1:{mp}"\nedge_cache_ttl_ms = 0\n')
+    import stack
+    from ports import reserve_port
+    ap, ep, mp = reserve_port(), reserve_port(), reserve_port()
+    cfg = stack.write_toml(os.path.join(cube.root, "api-nocache.toml"), stack.api_config(
+        f"127.0.0.1:{ap}", f"127.0.0.1:{ep}", cube.master_urls, f"127.0.0.1:{mp}",
+        {"edge_cache_ttl_ms": 0}))
     p = cube.start([cube.api_bin, "--config", cfg], "api-nocache.log")
-    conftest._wait(lambda: conftest._port_open(ep), "uncached cube-api", procs=[p])
+    stack.wait(lambda: stack.port_open(ep), "uncached cube-api", procs=[p])
     return f"http://127.0.0.1:{ep}"
 
 
@@ -379,6 +378,7 @@ def main():
     conftest = None
     if a.local_stack:
         sys.path.insert(0, os.path.join(REPO, "tests", "e2e"))
+        sys.path.insert(0, os.path.join(REPO, "tests"))
         os.environ.setdefault("CUBE_E2E_MAX_SANDBOXES", str(max(a.list_sandboxes, a.throughput_creates) + 16))
         import conftest  # noqa: E402
         a.template = conftest.TEMPLATE

@@ -1,7 +1,8 @@
 //! `GET /files` (download) and `POST /files` (upload: multipart or raw octet-stream).
 
 use crate::creds;
-use crate::server::{self, http_error, Body, Resp};
+use crate::reply::{self, http_error, Body, Resp};
+use crate::request::{self, ct_eq};
 use crate::state::Shared;
 use crate::users::User;
 use bytes::Bytes;
@@ -18,14 +19,6 @@ use tokio::sync::mpsc;
 /// A gzip-encoded multipart body has to be decompressed in memory before parsing; cap it.
 pub const MAX_BUFFERED_UPLOAD: usize = 256 * 1024 * 1024;
 const CHUNK: usize = 64 * 1024;
-
-/// Constant-time comparison, for tokens and signatures.
-pub fn ct_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
 
 /// envd's v1 signature: `v1_` + base64-nopad(sha256("path:op:user:token[:exp]")).
 pub fn signature(path: &str, op: &str, user: &str, token: &str, exp: Option<&str>) -> String {
@@ -67,7 +60,7 @@ fn authorize(
         }
     }
     let Some(sig) = q.get("signature") else {
-        return Err("unauthorized access, please provide a valid access token or method signing if supported".into());
+        return Err(crate::reply::UNAUTHORIZED.into());
     };
     let exp = q.get("signature_expiration").filter(|e| !e.is_empty());
     if let Some(e) = exp {
@@ -126,14 +119,14 @@ pub async fn handle(
     let grant = match authorize(&state, &headers, &q, op) {
         Ok(g) => g,
         Err(m) => {
-            server::drain(&mut body).await;
+            request::drain(&mut body).await;
             return http_error(401, m);
         }
     };
     let user = match user_for(&state, &headers, &q, grant) {
         Ok(u) => u,
         Err(m) => {
-            server::drain(&mut body).await;
+            request::drain(&mut body).await;
             return http_error(401, m);
         }
     };
@@ -436,11 +429,11 @@ async fn upload(
     mut body: Incoming,
 ) -> Resp {
     match upload_inner(&state, &headers, &q, &user, &mut body).await {
-        Ok(list) => server::json_response(200, &serde_json::Value::Array(list)),
+        Ok(list) => reply::json_response(200, &serde_json::Value::Array(list)),
         Err(UploadError(st, m)) => {
             // The client may still be sending (e.g. the disk filled mid-upload): swallow the
             // rest so it reads our answer instead of a reset.
-            server::drain(&mut body).await;
+            request::drain(&mut body).await;
             http_error(st, m)
         }
     }
@@ -485,7 +478,7 @@ async fn upload_inner<'b>(
         let stream: std::pin::Pin<
             Box<dyn futures_util::Stream<Item = Result<Bytes, std::io::Error>> + Send + 'b>,
         > = if gzip {
-            let raw = server::read_body(body, MAX_BUFFERED_UPLOAD)
+            let raw = request::read_body(body, MAX_BUFFERED_UPLOAD)
                 .await
                 .map_err(|e| UploadError(413, e.message))?;
             let mut out = Vec::new();
@@ -590,7 +583,7 @@ async fn upload_inner<'b>(
     let path = state.resolve_path(user, &p);
     let w = FileWriter::start(user, path.clone(), gzip, meta);
     loop {
-        match server::next_chunk(body).await {
+        match request::next_chunk(body).await {
             Ok(Some(c)) => {
                 if !w.write(c).await {
                     break;
@@ -657,7 +650,7 @@ impl From<std::io::Error> for PathErr {
 /// `POST /files/compose`: concatenates `source_paths` into `destination` (the kernel copies the
 /// bytes with `copy_file_range` where it can) and returns the destination's EntryInfo.
 pub async fn compose(state: Shared, headers: HeaderMap, mut body: Incoming) -> Resp {
-    let raw = match server::read_body(&mut body, 1024 * 1024).await {
+    let raw = match request::read_body(&mut body, 1024 * 1024).await {
         Ok(b) => b,
         Err(e) => return http_error(413, e.message),
     };
@@ -709,7 +702,7 @@ pub async fn compose(state: Shared, headers: HeaderMap, mut body: Incoming) -> R
     })
     .await;
     match r {
-        Ok(v) => server::json_response(200, &v),
+        Ok(v) => reply::json_response(200, &v),
         Err(PathErr(e, p)) => {
             let st = match e.raw_os_error() {
                 Some(libc::ENOENT) => 404,

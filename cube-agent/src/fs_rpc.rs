@@ -5,7 +5,8 @@ use crate::connect::{self, Code, RpcError};
 use crate::creds;
 use crate::entry::entry_info;
 use crate::pjson::{de_bool, de_opt_u32};
-use crate::server::{self, Ctx, Resp};
+use crate::reply::{self, Resp};
+use crate::request::{self, Ctx};
 use crate::users::Accounts;
 use crate::watch::{self, FsEvent, PolledWatcher, RawWatch, MAX_BUFFERED_EVENTS};
 use bytes::Bytes;
@@ -171,66 +172,98 @@ fn remove(p: &Path) -> Result<(), RpcError> {
     }
 }
 
-/// Unary filesystem RPCs.
-pub async fn unary(ctx: Ctx, method: &str, body: Bytes) -> Resp {
-    let r: Result<Value, RpcError> = async {
-        match method {
-            "filesystem.Filesystem/Stat"
-            | "filesystem.Filesystem/MakeDir"
-            | "filesystem.Filesystem/ListDir"
-            | "filesystem.Filesystem/Remove" => {
-                let req: PathReq = connect::decode_json(&body)?;
-                need_path(&req.path)?;
-                let p = ctx.state.resolve_path(&ctx.user, &req.path);
-                let depth = req.depth.unwrap_or(1);
-                let m = method.to_string();
-                creds::as_user(&ctx.user, move || match m.as_str() {
-                    "filesystem.Filesystem/Stat" => Ok(json!({"entry": stat(&p)?})),
-                    "filesystem.Filesystem/MakeDir" => Ok(json!({"entry": make_dir(&p)?})),
-                    "filesystem.Filesystem/ListDir" => Ok(json!({"entries": list_dir(&p, depth)?})),
-                    _ => remove(&p).map(|_| json!({})),
-                })
-                .await
-            }
-            "filesystem.Filesystem/Move" => {
-                let req: MoveReq = connect::decode_json(&body)?;
-                need_path(&req.source)?;
-                need_path(&req.destination)?;
-                let s = ctx.state.resolve_path(&ctx.user, &req.source);
-                let d = ctx.state.resolve_path(&ctx.user, &req.destination);
-                creds::as_user(&ctx.user, move || Ok(json!({"entry": move_(&s, &d)?}))).await
-            }
-            "filesystem.Filesystem/CreateWatcher" => create_watcher(&ctx, &body).await,
-            "filesystem.Filesystem/GetWatcherEvents" => {
-                let req: WatcherIdReq = connect::decode_json(&body)?;
-                let w = ctx.state.watchers.get(&req.watcher_id).ok_or_else(|| {
-                    RpcError::not_found(format!("watcher {} not found", req.watcher_id))
-                })?;
-                let events: Vec<Value> =
-                    std::mem::take(&mut *w.events.lock().unwrap_or_else(|p| p.into_inner()));
-                Ok(json!({"events": events}))
-            }
-            "filesystem.Filesystem/RemoveWatcher" => {
-                let req: WatcherIdReq = connect::decode_json(&body)?;
-                let w = ctx.state.watchers.remove(&req.watcher_id).ok_or_else(|| {
-                    RpcError::not_found(format!("watcher {} not found", req.watcher_id))
-                })?;
-                if let Some(t) = w.task.lock().unwrap_or_else(|p| p.into_inner()).take() {
-                    t.abort();
-                }
-                Ok(json!({}))
-            }
-            other => Err(RpcError::new(
-                Code::Unimplemented,
-                format!("method {other} is not implemented"),
-            )),
-        }
-    }
-    .await;
+/// A unary RPC's answer.
+fn answer(r: Result<Value, RpcError>) -> Resp {
     match r {
-        Ok(v) => server::rpc_ok(&v),
-        Err(e) => server::rpc_err(&e),
+        Ok(v) => reply::rpc_ok(&v),
+        Err(e) => reply::rpc_err(&e),
     }
+}
+
+/// Runs `f` on a path request's resolved path (and depth, default 1) as the requesting user.
+async fn on_path<F>(ctx: &Ctx, body: &[u8], f: F) -> Result<Value, RpcError>
+where
+    F: FnOnce(&Path, u32) -> Result<Value, RpcError> + Send + 'static,
+{
+    let req: PathReq = connect::decode_json(body)?;
+    need_path(&req.path)?;
+    let p = ctx.state.resolve_path(&ctx.user, &req.path);
+    let depth = req.depth.unwrap_or(1);
+    creds::as_user(&ctx.user, move || f(&p, depth)).await
+}
+
+/// `filesystem.Filesystem/Stat`.
+pub async fn stat_rpc(ctx: Ctx, body: Bytes) -> Resp {
+    answer(on_path(&ctx, &body, |p, _| Ok(json!({"entry": stat(p)?}))).await)
+}
+
+/// `filesystem.Filesystem/MakeDir`.
+pub async fn make_dir_rpc(ctx: Ctx, body: Bytes) -> Resp {
+    answer(on_path(&ctx, &body, |p, _| Ok(json!({"entry": make_dir(p)?}))).await)
+}
+
+/// `filesystem.Filesystem/ListDir`.
+pub async fn list_dir_rpc(ctx: Ctx, body: Bytes) -> Resp {
+    answer(
+        on_path(&ctx, &body, |p, depth| {
+            Ok(json!({"entries": list_dir(p, depth)?}))
+        })
+        .await,
+    )
+}
+
+/// `filesystem.Filesystem/Remove`.
+pub async fn remove_rpc(ctx: Ctx, body: Bytes) -> Resp {
+    answer(on_path(&ctx, &body, |p, _| remove(p).map(|_| json!({}))).await)
+}
+
+/// `filesystem.Filesystem/Move`.
+pub async fn move_rpc(ctx: Ctx, body: Bytes) -> Resp {
+    let r = async {
+        let req: MoveReq = connect::decode_json(&body)?;
+        need_path(&req.source)?;
+        need_path(&req.destination)?;
+        let s = ctx.state.resolve_path(&ctx.user, &req.source);
+        let d = ctx.state.resolve_path(&ctx.user, &req.destination);
+        creds::as_user(&ctx.user, move || Ok(json!({"entry": move_(&s, &d)?}))).await
+    };
+    answer(r.await)
+}
+
+/// `filesystem.Filesystem/CreateWatcher`.
+pub async fn create_watcher_rpc(ctx: Ctx, body: Bytes) -> Resp {
+    answer(create_watcher(&ctx, &body).await)
+}
+
+/// `filesystem.Filesystem/GetWatcherEvents`: the events since the last call.
+pub async fn get_watcher_events(ctx: Ctx, body: Bytes) -> Resp {
+    let r = (|| {
+        let req: WatcherIdReq = connect::decode_json(&body)?;
+        let w =
+            ctx.state.watchers.get(&req.watcher_id).ok_or_else(|| {
+                RpcError::not_found(format!("watcher {} not found", req.watcher_id))
+            })?;
+        let events: Vec<Value> =
+            std::mem::take(&mut *w.events.lock().unwrap_or_else(|p| p.into_inner()));
+        Ok(json!({"events": events}))
+    })();
+    answer(r)
+}
+
+/// `filesystem.Filesystem/RemoveWatcher`.
+pub async fn remove_watcher(ctx: Ctx, body: Bytes) -> Resp {
+    let r = (|| {
+        let req: WatcherIdReq = connect::decode_json(&body)?;
+        let w =
+            ctx.state.watchers.remove(&req.watcher_id).ok_or_else(|| {
+                RpcError::not_found(format!("watcher {} not found", req.watcher_id))
+            })?;
+        if let Some(t) = w.task.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            t.abort();
+        }
+        Ok(json!({}))
+    })();
+    answer(r)
 }
 
 /// Opens an inotify watch as the user, checking the directory and the network-mount rule.
@@ -322,13 +355,13 @@ async fn create_watcher(ctx: &Ctx, body: &[u8]) -> Result<Value, RpcError> {
 
 /// Streaming watch: `start{}`, then events and keepalives until the client leaves.
 pub async fn watch_dir(ctx: Ctx, body: Bytes) -> Resp {
-    let req: WatchReq = match server::single_envelope::<WatchReqCamel>(&body) {
+    let req: WatchReq = match request::single_envelope::<WatchReqCamel>(&body) {
         Ok(r) => r.into(),
-        Err(e) => return server::stream_error(&e),
+        Err(e) => return reply::stream_error(&e),
     };
     let mut w = match open_watch(&ctx, &req).await {
         Ok(w) => w,
-        Err(e) => return server::stream_error(&e),
+        Err(e) => return reply::stream_error(&e),
     };
     let keepalive = ctx
         .header("keepalive-ping-interval")
@@ -337,7 +370,7 @@ pub async fn watch_dir(ctx: Ctx, body: Bytes) -> Resp {
         .map(|s| Duration::from_secs_f64(s.max(0.05)))
         .unwrap_or(Duration::from_secs(90));
     let deadline = ctx.connect_timeout();
-    let (tx, resp) = server::stream_response();
+    let (tx, resp) = reply::stream_response();
     let user = ctx.user.clone();
     let include = req.include_entry;
     tokio::spawn(async move {

@@ -19,6 +19,8 @@ pub mod pjson;
 pub mod process;
 pub mod process_rpc;
 pub mod reaper;
+pub mod reply;
+pub mod request;
 pub mod server;
 pub mod state;
 pub mod sys_http;

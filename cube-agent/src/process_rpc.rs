@@ -3,7 +3,8 @@
 use crate::connect::{self, Code, RpcError};
 use crate::pjson::{self, de_null_default, de_opt_u32};
 use crate::process::{Output, ProcConfig, ProcEvent, Process, Selector, SpawnRequest};
-use crate::server::{self, Ctx, Resp};
+use crate::reply::{self, Resp};
+use crate::request::{self, Ctx};
 use bytes::Bytes;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -241,15 +242,15 @@ async fn pump(
 }
 
 pub async fn start(ctx: Ctx, body: Bytes) -> Resp {
-    let req: StartReq = match server::single_envelope(&body) {
+    let req: StartReq = match request::single_envelope(&body) {
         Ok(r) => r,
-        Err(e) => return server::stream_error(&e),
+        Err(e) => return reply::stream_error(&e),
     };
     let Some(cfg) = req.process else {
-        return server::stream_error(&RpcError::invalid("missing process config"));
+        return reply::stream_error(&RpcError::invalid("missing process config"));
     };
     if cfg.cmd.is_empty() {
-        return server::stream_error(&RpcError::invalid("process.cmd must not be empty"));
+        return reply::stream_error(&RpcError::invalid("process.cmd must not be empty"));
     }
     let cwd = match &cfg.cwd {
         Some(c) if !c.is_empty() => ctx.state.resolve_path(&ctx.user, c),
@@ -287,7 +288,7 @@ pub async fn start(ctx: Ctx, body: Bytes) -> Resp {
     };
     let (proc_, rx) = match ctx.state.processes.start(spawn) {
         Ok(x) => x,
-        Err(e) => return server::stream_error(&e),
+        Err(e) => return reply::stream_error(&e),
     };
     let timeout = ctx.connect_timeout();
     let deadline = timeout.map(|t| tokio::time::Instant::now() + t);
@@ -305,32 +306,32 @@ pub async fn start(ctx: Ctx, body: Bytes) -> Resp {
             }
         });
     }
-    let (tx, resp) = server::stream_response();
+    let (tx, resp) = reply::stream_response();
     tokio::spawn(pump(tx, proc_, rx, keepalive_interval(&ctx), deadline));
     resp
 }
 
 pub async fn connect_(ctx: Ctx, body: Bytes) -> Resp {
-    let req: SelectReq = match server::single_envelope(&body) {
+    let req: SelectReq = match request::single_envelope(&body) {
         Ok(r) => r,
-        Err(e) => return server::stream_error(&e),
+        Err(e) => return reply::stream_error(&e),
     };
     let p = match selector(&req.process).and_then(|s| ctx.state.processes.get(&s)) {
         Ok(p) => p,
-        Err(e) => return server::stream_error(&e),
+        Err(e) => return reply::stream_error(&e),
     };
     let rx = p.subscribe();
     let deadline = ctx
         .connect_timeout()
         .map(|t| tokio::time::Instant::now() + t);
-    let (tx, resp) = server::stream_response();
+    let (tx, resp) = reply::stream_response();
     tokio::spawn(pump(tx, p, rx, keepalive_interval(&ctx), deadline));
     resp
 }
 
 pub async fn list(ctx: Ctx, body: Bytes) -> Resp {
     if let Err(e) = connect::decode_json::<Value>(&body) {
-        return server::rpc_err(&e);
+        return reply::rpc_err(&e);
     }
     let procs: Vec<Value> = ctx
         .state
@@ -345,7 +346,7 @@ pub async fn list(ctx: Ctx, body: Bytes) -> Resp {
             v
         })
         .collect();
-    server::rpc_ok(&json!({"processes": procs}))
+    reply::rpc_ok(&json!({"processes": procs}))
 }
 
 pub async fn send_input(ctx: Ctx, body: Bytes) -> Resp {
@@ -356,7 +357,7 @@ pub async fn send_input(ctx: Ctx, body: Bytes) -> Resp {
         p.write_stdin(&data, to_pty).await
     }
     .await;
-    server::rpc_result(r)
+    reply::rpc_result(r)
 }
 
 pub async fn send_signal(ctx: Ctx, body: Bytes) -> Resp {
@@ -366,7 +367,7 @@ pub async fn send_signal(ctx: Ctx, body: Bytes) -> Resp {
         let p = ctx.state.processes.get(&selector(&req.process)?)?;
         p.signal(sig)
     })();
-    server::rpc_result(r)
+    reply::rpc_result(r)
 }
 
 pub async fn close_stdin(ctx: Ctx, body: Bytes) -> Resp {
@@ -376,7 +377,7 @@ pub async fn close_stdin(ctx: Ctx, body: Bytes) -> Resp {
         p.close_stdin().await
     }
     .await;
-    server::rpc_result(r)
+    reply::rpc_result(r)
 }
 
 pub async fn update(ctx: Ctx, body: Bytes) -> Resp {
@@ -392,7 +393,7 @@ pub async fn update(ctx: Ctx, body: Bytes) -> Resp {
         }
         Ok(())
     })();
-    server::rpc_result(r)
+    reply::rpc_result(r)
 }
 
 /// Client streaming: a `start{process}` message, then `data{input}` messages, written in order
@@ -418,7 +419,7 @@ pub async fn stream_input(ctx: Ctx, body: hyper::body::Incoming) -> Resp {
                     p.write_stdin(&data, to_pty).await?;
                 }
             }
-            match server::next_chunk(&mut body).await? {
+            match request::next_chunk(&mut body).await? {
                 Some(chunk) => reader.push(&chunk),
                 None => {
                     if reader.pending() > 0 {
@@ -430,7 +431,7 @@ pub async fn stream_input(ctx: Ctx, body: hyper::body::Incoming) -> Resp {
         }
     }
     .await;
-    let (tx, resp) = server::stream_response();
+    let (tx, resp) = reply::stream_response();
     let _ = match result {
         Ok(()) => {
             let _ = tx.try_send(connect::message_envelope(&json!({})));

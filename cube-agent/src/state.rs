@@ -69,6 +69,55 @@ impl AgentState {
             .and_then(|s| s.access_token.clone())
     }
 
+    /// Applies an init from the node (either transport): session settings unless older than
+    /// the last applied one, then the clock (as init only), resolver and entropy. An unknown
+    /// default user is ignored with a warning rather than failing the node's create.
+    pub fn apply_init(&self, init: cube_init::Init) -> Result<(), String> {
+        let ts = init.timestamp;
+        {
+            let Ok(mut s) = self.session.write() else {
+                return Err("state lock poisoned".into());
+            };
+            // Newer wins: a delayed retry of an older init must not undo a newer one.
+            if matches!((ts, s.last_init), (Some(new), Some(old)) if new < old) {
+                tracing::info!("ignoring an init older than the last applied one");
+            } else {
+                if let Some(t) = ts {
+                    s.last_init = Some(t);
+                }
+                if let Some(env) = init.env_vars {
+                    s.env_vars = env.into_iter().collect();
+                }
+                if let Some(tok) = init.access_token {
+                    s.access_token = Some(tok).filter(|t| !t.is_empty());
+                }
+                match init.default_user {
+                    Some(name) if users::lookup(&name).is_none() => tracing::warn!(
+                        "init: default user {name:?} does not exist; keeping the current one"
+                    ),
+                    Some(name) => s.default_user = name,
+                    None => {}
+                }
+                if let Some(w) = init.default_workdir {
+                    s.default_workdir = Some(w).filter(|w| !w.is_empty());
+                }
+                if let Some(t) = ts {
+                    crate::init::set_clock_if_drifted(self.is_init, t);
+                }
+            }
+        }
+        if let Some(ns) = init.nameservers {
+            crate::init::write_resolv_conf(Path::new(crate::init::RESOLV_CONF), &ns)?;
+        }
+        if let Some(bytes) = init.entropy {
+            let n = bytes.len().min(crate::init::MAX_ENTROPY_BYTES);
+            if let Err(e) = crate::init::add_entropy(&bytes[..n]) {
+                tracing::warn!("could not add entropy: {e}");
+            }
+        }
+        Ok(())
+    }
+
     /// Resolves a user name (empty = the default user).
     pub fn user_named(&self, name: &str) -> Result<User, UserError> {
         let name = if name.is_empty() {
@@ -140,6 +189,43 @@ pub fn normalize(p: &Path) -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Both transports' inits land in the session; an older one does not undo a newer one.
+    #[test]
+    fn inits_apply_newest_first() {
+        let st = AgentState::new("root".into(), false);
+        let t = |s| Some(SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(s));
+        st.apply_init(cube_init::Init {
+            env_vars: Some([("A".to_string(), "1".to_string())].into()),
+            access_token: Some("tok".into()),
+            default_user: Some("no-such-user-here".into()),
+            default_workdir: Some("/srv".into()),
+            timestamp: t(200),
+            ..Default::default()
+        })
+        .unwrap();
+        let s = st.session();
+        assert_eq!(s.env_vars["A"], "1");
+        assert_eq!(s.access_token.as_deref(), Some("tok"));
+        assert_eq!(s.default_user, "root", "an unknown user is not taken");
+        assert_eq!(s.default_workdir.as_deref(), Some("/srv"));
+        st.apply_init(cube_init::Init {
+            access_token: Some("old".into()),
+            timestamp: t(100),
+            ..Default::default()
+        })
+        .unwrap();
+        assert_eq!(st.access_token().as_deref(), Some("tok"));
+        st.apply_init(cube_init::Init {
+            access_token: Some(String::new()),
+            default_workdir: Some(String::new()),
+            timestamp: t(300),
+            ..Default::default()
+        })
+        .unwrap();
+        assert_eq!(st.access_token(), None);
+        assert_eq!(st.session().default_workdir, None);
+    }
 
     #[test]
     fn normalizes() {

@@ -11,69 +11,16 @@
 //! bound, start-up work such as the interpreter's pre-started worker done, agent waiting) is
 //! where the template snapshot is taken.
 //!
-//! Payload: `"CUBI"`, version 1 (u32 LE), unix time in ns (u64 LE), 32 bytes of entropy,
-//! JSON length (u32 LE), JSON `{env_vars, access_token, default_user, default_workdir,
-//! nameservers}` (`nameservers` may be absent: the same version-1 layout).
+//! The payload is the init contract's vsock frame (`cube_init::VsockInit`).
 
-use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::os::fd::{FromRawFd, OwnedFd};
-use std::time::{Duration, SystemTime};
-
-use serde::Deserialize;
+use std::time::Duration;
 
 use crate::state::Shared;
-use crate::sys_http::{apply_init, InitUpdate};
+use cube_init::{VsockInit, MAX_VSOCK_FRAME};
 
-pub const MAGIC: &[u8; 4] = b"CUBI";
-const HEADER: usize = 52;
-/// Largest payload the host sends (one vsock packet).
-const MAX_PAYLOAD: usize = 4096;
 const HOST_CID: u32 = 2;
-
-#[derive(Debug, Deserialize, PartialEq, Default)]
-struct Body {
-    #[serde(default)]
-    env_vars: HashMap<String, String>,
-    #[serde(default)]
-    access_token: Option<String>,
-    #[serde(default)]
-    default_user: String,
-    #[serde(default)]
-    default_workdir: String,
-    #[serde(default)]
-    nameservers: Vec<String>,
-}
-
-/// Decodes a payload into the update it asks for.
-pub fn decode(b: &[u8]) -> Result<InitUpdate, String> {
-    if b.len() < HEADER || &b[0..4] != MAGIC {
-        return Err("no CUBI header".into());
-    }
-    let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
-    if u32_at(4) != 1 {
-        return Err(format!("unknown version {}", u32_at(4)));
-    }
-    let mut c = [0u8; 8];
-    c.copy_from_slice(&b[8..16]);
-    let clock_ns = u64::from_le_bytes(c);
-    let n = u32_at(48) as usize;
-    let json = b
-        .get(HEADER..HEADER + n)
-        .ok_or_else(|| format!("JSON of {n} bytes is cut short"))?;
-    let body: Body = serde_json::from_slice(json).map_err(|e| format!("JSON: {e}"))?;
-    let nonempty = |s: String| (!s.is_empty()).then_some(s);
-    Ok(InitUpdate {
-        env_vars: Some(body.env_vars),
-        // Authoritative: a copy made for a sandbox without a token must not keep another's.
-        access_token: Some(body.access_token.unwrap_or_default()),
-        default_user: nonempty(body.default_user),
-        default_workdir: nonempty(body.default_workdir),
-        timestamp: (clock_ns > 0).then(|| SystemTime::UNIX_EPOCH + Duration::from_nanos(clock_ns)),
-        entropy: Some(b[16..48].to_vec()),
-        nameservers: (!body.nameservers.is_empty()).then_some(body.nameservers),
-    })
-}
 
 /// The port named by `cube.vsock_init=<port>` in a kernel command line.
 pub fn port_from_cmdline(cmdline: &str) -> Option<u32> {
@@ -131,7 +78,7 @@ fn wait_warm(state: &Shared, max: Duration) {
 fn round(state: &Shared, port: u32) -> Result<(), String> {
     let mut conn = connect(port).map_err(|e| format!("connect to host port {port}: {e}"))?;
     conn.write_all(b"redy").map_err(|e| format!("send: {e}"))?;
-    let mut buf = vec![0u8; MAX_PAYLOAD];
+    let mut buf = vec![0u8; MAX_VSOCK_FRAME];
     let mut got = 0;
     // The payload is one packet, but a stream may split it: read until it is whole.
     loop {
@@ -142,18 +89,17 @@ fn round(state: &Shared, port: u32) -> Result<(), String> {
             return Err(format!("host closed after {got} bytes"));
         }
         got += n;
-        if got >= HEADER {
-            let len = u32::from_le_bytes([buf[48], buf[49], buf[50], buf[51]]) as usize;
-            if got >= HEADER + len {
+        if let Some(len) = VsockInit::frame_len(&buf[..got]) {
+            if got >= len {
                 break;
             }
-            if HEADER + len > MAX_PAYLOAD {
-                return Err(format!("payload of {} bytes is too large", HEADER + len));
+            if len > MAX_VSOCK_FRAME {
+                return Err(format!("payload of {len} bytes is too large"));
             }
         }
     }
-    let upd = decode(&buf[..got])?;
-    apply_init(state, upd)?;
+    let frame = VsockInit::decode(&buf[..got]).map_err(|e| e.to_string())?;
+    state.apply_init(frame.into_init())?;
     tracing::info!(port, "init applied from the host");
     // SAFETY: shutdown(2) on the fd `conn` owns.
     unsafe { libc::shutdown(std::os::fd::AsRawFd::as_raw_fd(&conn), libc::SHUT_WR) };
@@ -190,52 +136,6 @@ pub fn spawn(state: Shared, port: u32) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn payload(json: &str) -> Vec<u8> {
-        let mut v = Vec::new();
-        v.extend_from_slice(MAGIC);
-        v.extend_from_slice(&1u32.to_le_bytes());
-        v.extend_from_slice(&1_700_000_000_000_000_000u64.to_le_bytes());
-        v.extend_from_slice(&[7u8; 32]);
-        v.extend_from_slice(&(json.len() as u32).to_le_bytes());
-        v.extend_from_slice(json.as_bytes());
-        v
-    }
-
-    #[test]
-    fn decodes_what_the_host_sends() {
-        let u = decode(&payload(
-            r#"{"env_vars":{"A":"1"},"access_token":"tok","default_user":"user","default_workdir":""}"#,
-        ))
-        .unwrap();
-        assert_eq!(u.env_vars.unwrap()["A"], "1");
-        assert_eq!(u.access_token.as_deref(), Some("tok"));
-        assert_eq!(u.default_user.as_deref(), Some("user"));
-        assert_eq!(u.default_workdir, None);
-        assert_eq!(u.entropy.unwrap(), vec![7u8; 32]);
-        assert_eq!(
-            u.timestamp.unwrap(),
-            SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000)
-        );
-        // No token: the copy's token is cleared, not inherited.
-        let u = decode(&payload("{}")).unwrap();
-        assert_eq!(u.access_token.as_deref(), Some(""));
-    }
-
-    #[test]
-    fn rejects_bad_payloads() {
-        assert!(decode(b"CUBI").is_err());
-        let mut p = payload("{}");
-        p[4] = 2;
-        assert!(decode(&p).unwrap_err().contains("version"));
-        let mut p = payload(r#"{"env_vars":{}}"#);
-        p.truncate(p.len() - 2);
-        assert!(decode(&p).unwrap_err().contains("cut short"));
-        assert!(decode(&payload("[")).unwrap_err().contains("JSON"));
-        let mut p = payload("{}");
-        p[0] = b'X';
-        assert!(decode(&p).is_err());
-    }
 
     #[test]
     fn the_first_request_waits_for_warming_work_but_not_forever() {

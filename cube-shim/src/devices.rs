@@ -42,6 +42,31 @@ pub const VSOCK_NAME: &str = "virtio-vsock";
 pub const VSOCK_MMIO_BASE: u64 = 0xc000_2000;
 pub const VSOCK_GSI: u32 = 7;
 
+/// Where a device sits in the machine: its name in snapshots, its MMIO window and its GSI. A
+/// template fixes these; every restore puts the device back in the same place.
+#[derive(Clone, Copy, Debug)]
+pub struct Slot {
+    pub name: &'static str,
+    pub base: u64,
+    pub gsi: u32,
+}
+
+pub const BLOCK: Slot = Slot {
+    name: BLOCK_NAME,
+    base: BLOCK_MMIO_BASE,
+    gsi: BLOCK_GSI,
+};
+pub const NET: Slot = Slot {
+    name: NET_NAME,
+    base: NET_MMIO_BASE,
+    gsi: NET_GSI,
+};
+pub const VSOCK: Slot = Slot {
+    name: VSOCK_NAME,
+    base: VSOCK_MMIO_BASE,
+    gsi: VSOCK_GSI,
+};
+
 /// Longest interface name the kernel accepts (`IFNAMSIZ` − 1).
 const MAX_IFNAME: usize = 15;
 /// `sun_path` size: the vsock socket path (and `<path>_<port>`) must fit in it.
@@ -245,31 +270,44 @@ pub fn open_backends(snap: &Snapshot, names: BackendNames<'_>) -> Result<Backend
     })
 }
 
-/// Decodes device `name`'s saved state and rebuilds its transport at `base`/`gsi` on `backend`.
-fn attach<D: VirtioDevice>(
-    snap: &Snapshot,
+/// How a device comes into a VM: made new (a template build), or rebuilt from a snapshot's
+/// saved state on a new backend (restore, resume). Both go through [`plug`], so a restored
+/// machine is put together exactly as its template was.
+enum Origin<'a, D: VirtioDevice> {
+    New(D),
+    Saved(&'a Snapshot, D::Backend),
+}
+
+/// Puts a device into `vm` at `slot`: its interrupt line, its transport, its MMIO window.
+fn plug<D: VirtioDevice>(
     vm: &mut Vm,
-    name: &str,
-    base: u64,
-    gsi: u32,
-    backend: D::Backend,
+    slot: Slot,
+    origin: Origin<'_, D>,
 ) -> Result<Arc<Mutex<MmioTransport<D>>>, ErrorReply> {
-    let bytes = snap
-        .device_state(name)
-        .ok_or_else(|| bad(ErrorKind::Internal, format!("{name} state vanished")))?;
-    let state: MmioState<D::State> = serde_json::from_slice(bytes).map_err(|e| {
-        bad(
-            ErrorKind::Snapshot,
-            format!("{name} state in the snapshot: {e}"),
-        )
-    })?;
-    let irq = IrqLine::new(gsi).map_err(|e| bad(ErrorKind::Internal, format!("eventfd: {e}")))?;
+    let name = slot.name;
+    let irq =
+        IrqLine::new(slot.gsi).map_err(|e| bad(ErrorKind::Internal, format!("eventfd: {e}")))?;
     vm.register_irq(&irq)
         .map_err(|e| bad(ErrorKind::Internal, e.to_string()))?;
-    let t = MmioTransport::<D>::restore(state, backend, vm.memory().clone(), irq)
-        .map_err(|e| bad(ErrorKind::Snapshot, format!("{name} restore: {e}")))?;
+    let t = match origin {
+        Origin::New(dev) => MmioTransport::new(dev, vm.memory().clone(), irq)
+            .map_err(|e| bad(ErrorKind::Internal, format!("{name}: {e}")))?,
+        Origin::Saved(snap, backend) => {
+            let bytes = snap
+                .device_state(name)
+                .ok_or_else(|| bad(ErrorKind::Internal, format!("{name} state vanished")))?;
+            let state: MmioState<D::State> = serde_json::from_slice(bytes).map_err(|e| {
+                bad(
+                    ErrorKind::Snapshot,
+                    format!("{name} state in the snapshot: {e}"),
+                )
+            })?;
+            MmioTransport::<D>::restore(state, backend, vm.memory().clone(), irq)
+                .map_err(|e| bad(ErrorKind::Snapshot, format!("{name} restore: {e}")))?
+        }
+    };
     let t = Arc::new(Mutex::new(t));
-    vm.add_mmio_device(base, MMIO_WINDOW_SIZE, t.clone())
+    vm.add_mmio_device(slot.base, MMIO_WINDOW_SIZE, t.clone())
         .map_err(|e| bad(ErrorKind::Internal, e.to_string()))?;
     Ok(t)
 }
@@ -299,26 +337,61 @@ impl Devices {
     ) -> Result<Devices, ErrorReply> {
         let mut d = Devices::default();
         if let Some(file) = backends.disk {
-            d.block = Some(attach::<Block>(
-                snap,
-                vm,
-                BLOCK_NAME,
-                BLOCK_MMIO_BASE,
-                BLOCK_GSI,
-                file,
-            )?);
+            d.block = Some(plug::<Block>(vm, BLOCK, Origin::Saved(snap, file))?);
         }
         if let Some(tap) = backends.tap {
-            let t = attach::<Net>(snap, vm, NET_NAME, NET_MMIO_BASE, NET_GSI, tap)?;
+            let t = plug::<Net>(vm, NET, Origin::Saved(snap, tap))?;
             d.workers.push(spawn_worker(t.clone())?);
             d.net = Some(t);
         }
         if let Some(path) = backends.vsock {
-            let t = attach::<Vsock>(snap, vm, VSOCK_NAME, VSOCK_MMIO_BASE, VSOCK_GSI, path)?;
+            let t = plug::<Vsock>(vm, VSOCK, Origin::Saved(snap, path))?;
             d.workers.push(spawn_worker(t.clone())?);
             d.vsock = Some(t);
         }
         Ok(d)
+    }
+
+    /// A template build's devices, made new in the same slots and order as a restore puts
+    /// them: the disk and NIC when given, always vsock. No backend workers: a build's guest
+    /// only calls out (its init request) and the host sends it nothing.
+    pub fn build(
+        vm: &mut Vm,
+        disk: Option<Block>,
+        net: Option<Net>,
+        vsock: Vsock,
+    ) -> Result<Devices, ErrorReply> {
+        let mut d = Devices::default();
+        if let Some(b) = disk {
+            d.block = Some(plug(vm, BLOCK, Origin::New(b))?);
+        }
+        if let Some(n) = net {
+            d.net = Some(plug(vm, NET, Origin::New(n))?);
+        }
+        d.vsock = Some(plug(vm, VSOCK, Origin::New(vsock))?);
+        Ok(d)
+    }
+
+    /// The slots in use, in attach order (what a Linux guest's command line lists).
+    pub fn slots(&self) -> Vec<Slot> {
+        let mut v = Vec::new();
+        if self.block.is_some() {
+            v.push(BLOCK);
+        }
+        if self.net.is_some() {
+            v.push(NET);
+        }
+        if self.vsock.is_some() {
+            v.push(VSOCK);
+        }
+        v
+    }
+
+    /// Whether the guest's driver set the vsock device up (a ready guest has).
+    pub fn vsock_active(&self) -> bool {
+        self.vsock
+            .as_ref()
+            .is_some_and(|v| v.lock().unwrap_or_else(|e| e.into_inner()).is_active())
     }
 
     /// Parks the backend workers (returns once none touches its device).

@@ -18,13 +18,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cube_hypervisor::devices::irq::IrqLine;
-use cube_hypervisor::devices::virtio::{Block, MmioTransport, Net, Vsock, MMIO_WINDOW_SIZE};
-use cube_hypervisor::{test_guests, DeviceStates, RunOutcome, Shape, Vm, Vmm};
+use cube_hypervisor::devices::virtio::{Block, Net, Vsock, MMIO_WINDOW_SIZE};
+use cube_hypervisor::{test_guests, RunOutcome, Shape, Vm, Vmm};
 
-use crate::devices::{
-    BLOCK_GSI, BLOCK_MMIO_BASE, BLOCK_NAME, NET_GSI, NET_MMIO_BASE, NET_NAME, VSOCK_GSI,
-    VSOCK_MMIO_BASE, VSOCK_NAME,
-};
+use crate::devices::{Devices, VSOCK_MMIO_BASE};
 
 /// Host (CID 2) vsock port the stand-in guest connects to for its init payload.
 pub const STANDIN_INIT_PORT: u32 = 1024;
@@ -39,8 +36,9 @@ pub const STANDIN_WOKEN: u32 = 0x77;
 /// Guest address of the last init payload the stand-in received, and of its length.
 pub const STANDIN_INIT_DATA: u64 = 0x241000 + 44;
 pub const STANDIN_INIT_LEN: u64 = 0x241000 + 24;
-/// Largest init payload the stand-in accepts (one rx buffer minus the vsock header).
-pub const STANDIN_MAX_INIT: usize = 4096 - 44;
+/// Largest init payload the stand-in accepts: one init frame (one rx buffer minus the vsock
+/// header), as the init contract defines it.
+pub const STANDIN_MAX_INIT: usize = cube_init::MAX_VSOCK_FRAME;
 
 /// The shim's own guests (`guests/*.asm`), assembled by `build.rs`.
 pub mod guests {
@@ -158,9 +156,6 @@ fn dev_err(
     move |e| BuildError::Device(format!("{what}: {e}"))
 }
 
-/// Serializes one device's state when the guest is ready.
-type StateFn = Box<dyn Fn() -> Result<Vec<u8>, BuildError>>;
-
 /// Boots the guest, waits for its ready point and snapshots it into `out` (which must not
 /// exist; it is written atomically by the hypervisor's snapshot code).
 pub fn build(spec: BuildSpec<'_>, out: &Path) -> Result<cube_hypervisor::Manifest, BuildError> {
@@ -187,63 +182,41 @@ pub fn build_with(
         }
         GuestKind::Linux(boot) => Some(boot),
     };
-    let mut devices = DeviceStates::new();
-    let mut states: Vec<(&str, StateFn)> = Vec::new();
     // The build's vsock socket lives in a private scratch dir under the temp dir: template dirs
     // can be deeper than a unix socket path allows (108 bytes).
     let sock_dir = scratch_dir(spec.scratch)?;
-    let has_disk = spec.disk.is_some();
-    if let Some(f) = spec.disk {
-        let irq = IrqLine::new(BLOCK_GSI)?;
-        vm.register_irq(&irq)?;
-        let t = MmioTransport::new(Block::new(f, false, "rootfs")?, vm.memory().clone(), irq)
-            .map_err(dev_err("virtio-blk"))?;
-        let t = Arc::new(Mutex::new(t));
-        vm.add_mmio_device(BLOCK_MMIO_BASE, MMIO_WINDOW_SIZE, t.clone())?;
-        states.push((BLOCK_NAME, Box::new(move || encode(&t))));
-    }
+    let disk = match spec.disk {
+        Some(f) => Some(Block::new(f, false, "rootfs")?),
+        None => None,
+    };
     let mut _net_peer = None;
-    if let Some(mac) = spec.net_mac {
-        let mut fds = [0; 2];
-        // SAFETY: socketpair fills the two-element array.
-        let r =
-            unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_SEQPACKET, 0, fds.as_mut_ptr()) };
-        if r != 0 {
-            return Err(std::io::Error::last_os_error().into());
+    let net = match spec.net_mac {
+        Some(mac) => {
+            let mut fds = [0; 2];
+            // SAFETY: socketpair fills the two-element array.
+            let r = unsafe {
+                libc::socketpair(libc::AF_UNIX, libc::SOCK_SEQPACKET, 0, fds.as_mut_ptr())
+            };
+            if r != 0 {
+                return Err(std::io::Error::last_os_error().into());
+            }
+            // SAFETY: fresh fds, owned here. The build has no tap: a socket pair carries no
+            // frames.
+            let (dev_end, peer) =
+                unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+            _net_peer = Some(peer);
+            Some(Net::new(dev_end, mac)?)
         }
-        // SAFETY: fresh fds, owned here. The build has no tap: a socket pair carries no frames.
-        let (dev_end, peer) =
-            unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
-        _net_peer = Some(peer);
-        let irq = IrqLine::new(NET_GSI)?;
-        vm.register_irq(&irq)?;
-        let t = MmioTransport::new(Net::new(dev_end, mac)?, vm.memory().clone(), irq)
-            .map_err(dev_err("virtio-net"))?;
-        let t = Arc::new(Mutex::new(t));
-        vm.add_mmio_device(NET_MMIO_BASE, MMIO_WINDOW_SIZE, t.clone())?;
-        states.push((NET_NAME, Box::new(move || encode(&t))));
-    }
-    let irq = IrqLine::new(VSOCK_GSI)?;
-    vm.register_irq(&irq)?;
-    let vs = MmioTransport::new(
-        Vsock::new(GUEST_CID, &sock_dir.path().join("v.sock")).map_err(dev_err("virtio-vsock"))?,
-        vm.memory().clone(),
-        irq,
-    )
-    .map_err(dev_err("virtio-vsock"))?;
-    let vs = Arc::new(Mutex::new(vs));
-    vm.add_mmio_device(VSOCK_MMIO_BASE, MMIO_WINDOW_SIZE, vs.clone())?;
+        None => None,
+    };
+    let vsock =
+        Vsock::new(GUEST_CID, &sock_dir.path().join("v.sock")).map_err(dev_err("virtio-vsock"))?;
+    let devices =
+        Devices::build(&mut vm, disk, net, vsock).map_err(|e| BuildError::Device(e.message))?;
     // Held until the snapshot is written: the agent must not see its request answered or closed.
     let mut _ready_conn = None;
     if let Some(boot) = linux {
-        let mut mmio = Vec::new();
-        if has_disk {
-            mmio.push((BLOCK_MMIO_BASE, BLOCK_GSI));
-        }
-        if spec.net_mac.is_some() {
-            mmio.push((NET_MMIO_BASE, NET_GSI));
-        }
-        mmio.push((VSOCK_MMIO_BASE, VSOCK_GSI));
+        let mmio: Vec<(u64, u32)> = devices.slots().iter().map(|s| (s.base, s.gsi)).collect();
         let listener = std::os::unix::net::UnixListener::bind(
             sock_dir.path().join(format!("v.sock_{STANDIN_INIT_PORT}")),
         )?;
@@ -265,14 +238,13 @@ pub fn build_with(
             )));
         }
     }
-    if !vs.lock().unwrap_or_else(|e| e.into_inner()).is_active() {
+    if !devices.vsock_active() {
         return Err(BuildError::NotReady("vsock device not active".into()));
     }
-    devices.insert(VSOCK_NAME.into(), encode(&vs)?);
-    for (name, f) in &states {
-        devices.insert((*name).into(), f()?);
-    }
-    Ok(vm.snapshot(out, &devices)?)
+    let states = devices
+        .states()
+        .map_err(|e| BuildError::Device(e.message))?;
+    Ok(vm.snapshot(out, &states)?)
 }
 
 /// Boots `boot` with `cmdline` and runs it until cube-agent connects to `listener` (the init
@@ -354,16 +326,6 @@ fn boot_linux(
     };
     vm.pause()?;
     result
-}
-
-fn encode<D: cube_hypervisor::devices::virtio::VirtioDevice>(
-    t: &Arc<Mutex<MmioTransport<D>>>,
-) -> Result<Vec<u8>, BuildError>
-where
-    D::State: serde::Serialize,
-{
-    serde_json::to_vec(&t.lock().unwrap_or_else(|e| e.into_inner()).state())
-        .map_err(|e| BuildError::Device(format!("encode device state: {e}")))
 }
 
 /// A private scratch directory with a short path (for unix sockets).

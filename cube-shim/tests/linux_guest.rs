@@ -78,20 +78,16 @@ fn rootfs(agent: &Path, work: &Path) -> PathBuf {
     img
 }
 
-/// One init payload (see cube-agent/src/vsock_init.rs) carrying `env`.
+/// One init frame (the init contract's vsock transport) carrying `env`.
 fn payload(env: &str, value: &str) -> Vec<u8> {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
+    let settings = cube_init::Settings {
+        env_vars: [(env.to_string(), value.to_string())].into(),
+        default_user: "root".into(),
+        ..Default::default()
+    };
+    cube_init::VsockInit::new(settings, std::time::SystemTime::now(), [0x5a; 32])
+        .encode()
         .unwrap()
-        .as_nanos() as u64;
-    let json = format!(r#"{{"env_vars":{{"{env}":"{value}"}},"default_user":"root"}}"#);
-    let mut p = b"CUBI".to_vec();
-    p.extend_from_slice(&1u32.to_le_bytes());
-    p.extend_from_slice(&now.to_le_bytes());
-    p.extend_from_slice(&[0x5a; 32]);
-    p.extend_from_slice(&(json.len() as u32).to_le_bytes());
-    p.extend_from_slice(json.as_bytes());
-    p
 }
 
 /// The host end of the init channel: answers each `redy` with the next value, reports it once

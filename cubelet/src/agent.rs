@@ -36,66 +36,6 @@ pub struct AgentClient {
     pub addr: SocketAddr,
 }
 
-/// The `/init` body (envd's field names).
-#[derive(Debug, Clone, serde::Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct InitRequest {
-    pub env_vars: std::collections::BTreeMap<String, String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub access_token: Option<String>,
-    pub timestamp: String,
-    pub default_user: String,
-    pub default_workdir: String,
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub nameservers: Vec<String>,
-}
-
-impl InitRequest {
-    /// The `/init` of `init`, timestamped now. `clear_token`: an agent restored from another
-    /// sandbox's memory holds that one's token, which an init without a token of its own must
-    /// drop (`""` clears).
-    pub fn of(init: &crate::sandbox::InitBody, clear_token: bool) -> InitRequest {
-        InitRequest {
-            env_vars: init.env_vars.clone(),
-            access_token: init
-                .access_token
-                .clone()
-                .or_else(|| clear_token.then(String::new)),
-            timestamp: rfc3339_now(),
-            default_user: init.default_user.clone(),
-            default_workdir: init.default_workdir.clone(),
-            nameservers: init.nameservers.clone(),
-        }
-    }
-}
-
-/// RFC 3339 UTC timestamp with nanoseconds, computed without a date library.
-pub fn rfc3339_now() -> String {
-    let d = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default();
-    let secs = d.as_secs() as i64;
-    let (days, rem) = (secs.div_euclid(86400), secs.rem_euclid(86400));
-    // Civil-from-days (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
-    let y = yoe + era * 400;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = if m <= 2 { y + 1 } else { y };
-    format!(
-        "{y:04}-{m:02}-{day:02}T{:02}:{:02}:{:02}.{:09}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60,
-        d.subsec_nanos()
-    )
-}
-
 impl AgentClient {
     /// A client for the agent at `ip:port`; `iface` binds the connection to an interface
     /// (needed only without a switch, where every sandbox has the same address).
@@ -228,13 +168,17 @@ impl AgentClient {
     }
 
     /// `POST /init`.
-    pub async fn init(&self, req: &InitRequest) -> Result<(), AgentError> {
+    pub async fn init(&self, req: &cube_init::HttpInit) -> Result<(), AgentError> {
         self.init_as(req, None).await
     }
 
     /// `/init` of an agent that may already hold the token `prior` (one restored from a
     /// checkpoint holds its parent's; only its holder may re-initialise it).
-    pub async fn init_as(&self, req: &InitRequest, prior: Option<&str>) -> Result<(), AgentError> {
+    pub async fn init_as(
+        &self,
+        req: &cube_init::HttpInit,
+        prior: Option<&str>,
+    ) -> Result<(), AgentError> {
         let body = serde_json::to_vec(req).map_err(|e| AgentError::Http(e.to_string()))?;
         let mut h = vec![("content-type", "application/json")];
         if let Some(t) = prior.or(req.access_token.as_deref()) {
@@ -359,13 +303,6 @@ pub fn parse_process_stream(mut b: &[u8]) -> Result<(i64, String, String), Strin
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn timestamp_shape() {
-        let t = rfc3339_now();
-        assert_eq!(t.len(), 30, "{t}");
-        assert!(t.ends_with('Z') && t.as_bytes()[10] == b'T');
-    }
 
     #[test]
     fn parses_a_process_stream() {

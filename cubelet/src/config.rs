@@ -117,8 +117,6 @@ pub struct MicroVmConfig {
     /// Guest: a PVH vmlinux path (needs hardware KVM), or "agent-standin" (the shim's test
     /// guest standing in for cube-agent; runs on PVM too, for testing the machinery).
     pub guest: String,
-    /// Pre-spawned shims (VM shell created, template mapped) per template.
-    pub shims_per_template: u32,
     /// Pre-created taps.
     pub taps: u32,
     /// Confine each shim to a mount namespace holding only its files.
@@ -132,7 +130,6 @@ impl Default for MicroVmConfig {
         MicroVmConfig {
             shim_binary: "/usr/lib/cube/cube-shim".into(),
             guest: "/usr/lib/cube/vmlinux".into(),
-            shims_per_template: 2,
             taps: 4,
             jail: true,
             mem_overhead_mib: 128,
@@ -381,6 +378,8 @@ mod tests {
         assert_eq!(c.pools.network, 3);
         assert_eq!(c.pools.started.get("base"), Some(&2));
         assert!(toml::from_str::<Config>("bogus = 1").is_err());
+        // Gone (the started pool sizes the warm shims): refused, not silently ignored.
+        assert!(toml::from_str::<Config>("[microvm]\nshims_per_template = 1").is_err());
         assert!(Config::load(Some(Path::new("/nonexistent/cubelet.toml"))).is_err());
         assert_eq!(c.network.switch, SwitchKind::CubeVs);
         assert_eq!(c.switch.host_pool.to_string(), "10.233.0.0/16");

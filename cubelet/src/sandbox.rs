@@ -86,7 +86,7 @@ pub struct SandboxState {
     /// What a container runtime's agent was initialised with, for a start afresh (a microVM
     /// keeps it in its own part).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub init: Option<InitBody>,
+    pub init: Option<cube_init::Settings>,
     /// The sandbox's node-local host address (cube-vs); absent without a switch.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host_addr: Option<std::net::Ipv4Addr>,
@@ -187,22 +187,10 @@ pub struct MicroVmState {
     pub inits: u32,
     /// What every init carries (env vars, token, user); clock and entropy are fresh each time.
     #[serde(default)]
-    pub init: InitBody,
+    pub init: cube_init::Settings,
     /// Why the sandbox failed (shim gone), when it did.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failure: Option<String>,
-}
-
-/// What a sandbox's agent gets at its first start (and a microVM after every restore).
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
-pub struct InitBody {
-    pub env_vars: BTreeMap<String, String>,
-    pub access_token: Option<String>,
-    pub default_user: String,
-    pub default_workdir: String,
-    /// The agent writes these to `/etc/resolv.conf` (empty = leaves it alone).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub nameservers: Vec<String>,
 }
 
 /// Where a sandbox's files live.

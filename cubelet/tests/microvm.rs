@@ -319,7 +319,7 @@ fn shim(node: &Node, id: &str) -> Client {
 }
 
 /// The init payload the guest holds in its memory (read through the shim).
-fn guest_init(c: &mut Client) -> cubelet::runtime::microvm::shim::InitPayload {
+fn guest_init(c: &mut Client) -> cube_init::VsockInit {
     let words = 64u32;
     let v = match c
         .call(Op::Peek {
@@ -333,7 +333,7 @@ fn guest_init(c: &mut Client) -> cubelet::runtime::microvm::shim::InitPayload {
         r => panic!("{r:?}"),
     };
     let bytes: Vec<u8> = v.iter().flat_map(|w| w.to_le_bytes()).collect();
-    cubelet::runtime::microvm::shim::InitPayload::decode(&bytes).unwrap()
+    cube_init::VsockInit::decode(&bytes).unwrap()
 }
 
 fn checkpoints(c: &mut Client) -> (ShimState, Vec<u32>, cube_shim::protocol::Stats) {
@@ -450,9 +450,12 @@ async fn microvm_sandboxes_restore_pause_to_disk_fork_fail_and_survive_a_restart
     let (mut sa, mut sb) = (shim(&node, "mva"), shim(&node, "mvb"));
     // Each guest took its own init: env and token delivered, entropy fresh per sandbox.
     let (ia, ib) = (guest_init(&mut sa), guest_init(&mut sb));
-    assert_eq!(ia.body.env_vars.get("FOO").map(String::as_str), Some("bar"));
-    assert_eq!(ia.body.access_token.as_deref(), Some("token-mva"));
-    assert_eq!(ib.body.access_token.as_deref(), Some("token-mvb"));
+    assert_eq!(
+        ia.settings.env_vars.get("FOO").map(String::as_str),
+        Some("bar")
+    );
+    assert_eq!(ia.settings.access_token.as_deref(), Some("token-mva"));
+    assert_eq!(ib.settings.access_token.as_deref(), Some("token-mvb"));
     assert_ne!(
         ia.entropy, ib.entropy,
         "two sandboxes from one snapshot share RNG state"
@@ -559,7 +562,7 @@ async fn microvm_sandboxes_restore_pause_to_disk_fork_fail_and_survive_a_restart
         ia2.entropy, ia.entropy,
         "a resumed sandbox gets fresh entropy"
     );
-    assert_eq!(ia2.body.access_token.as_deref(), Some("token-mva"));
+    assert_eq!(ia2.settings.access_token.as_deref(), Some("token-mva"));
 
     // Snapshot of a running sandbox → template; create from it = fork of that sandbox.
     let snap = c
@@ -594,7 +597,7 @@ async fn microvm_sandboxes_restore_pause_to_disk_fork_fail_and_survive_a_restart
     assert!(woke < cps.len() - 1, "{cps:x?}");
     let iff = guest_init(&mut sf);
     assert_ne!(iff.entropy, ib.entropy);
-    assert_eq!(iff.body.access_token.as_deref(), Some("token-mvf"));
+    assert_eq!(iff.settings.access_token.as_deref(), Some("token-mvf"));
 
     // A shim that dies is reported: the sandbox becomes FAILED.
     let fpid = match sf.call(Op::Ping).unwrap() {

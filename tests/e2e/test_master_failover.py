@@ -15,7 +15,8 @@ import urllib.request
 
 from e2b import Sandbox
 
-from conftest import TEMPLATE, _port_open, reserve_port, running_in_master, running_on_node
+from conftest import TEMPLATE, _port_open, running_in_master, running_on_node
+from ports import reserve_port
 
 
 def leading(cube):

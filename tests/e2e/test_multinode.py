@@ -13,6 +13,7 @@ import time
 import httpx
 import pytest
 
+import stack
 from conftest import PROGRAMS, TEMPLATE, _bin, _cleanup_node, _wait
 from ports import reserve_port
 
@@ -76,7 +77,8 @@ def fleet():
             sh("bash", INSTALL, "--issue-cert", name, "--pki", pki, "--san", san)
 
         def tls(name):
-            return f'\n[tls]\nca = "{pki}/ca.pem"\ncert = "{pki}/{name}.pem"\nkey = "{pki}/{name}.key"\n'
+            return {"tls": {"ca": f"{pki}/ca.pem", "cert": f"{pki}/{name}.pem",
+                            "key": f"{pki}/{name}.key"}}
         for i, h in enumerate(hosts):
             sh("ip", "netns", "add", h.netns)
             sh("ip", "link", "add", h.veth, "type", "veth", "peer", "name", "eth0", "netns", h.netns)
@@ -88,30 +90,13 @@ def fleet():
             d = os.path.join(root, h.name)
             os.makedirs(d)
             h.root = d
-            h.cfg = os.path.join(d, "cubelet.toml")
-            with open(h.cfg, "w") as f:
-                f.write(f"""node_id = "{h.name}"
-grpc_addr = "{h.ns_ip}:{h.port}"
-http_addr = "127.0.0.1:{reserve_port()}"
-data_dir = "{d}/data"
-run_dir = "{d}/run"
-cache_dir = "{d}/cache"
-agent_binary = "{stripped}"
-[storage]
-xfs_loop_image = "{d}/xfs.img"
-xfs_loop_size_gib = 2
-[sandbox]
-max_sandboxes = 8
-tmp_size_mib = 16
-ready_timeout_ms = 15000
-[cgroup]
-parent = "cube-{h.name}"
-[pools]
-network = 0
-disks = 0
-[network]
-switch = "none"
-""" + tls(h.name))
+            h.cfg = stack.write_toml(os.path.join(d, "cubelet.toml"), stack.cubelet_config(
+                h.name, d, f"{h.ns_ip}:{h.port}", f"127.0.0.1:{reserve_port()}", stripped, {
+                    "storage": {"xfs_loop_size_gib": 2},
+                    "sandbox": {"max_sandboxes": 8},
+                    "pools": {"network": 0},
+                    **tls(h.name),
+                }))
             sh(cubelet, "--config", h.cfg, "build-template", TEMPLATE, "--dir", hostroot)
             # nsenter --net (not `ip netns exec`, which remounts /sys and hides the cgroup tree):
             # the cubelet shares the host's mounts but has only its own network stack.
@@ -124,27 +109,17 @@ switch = "none"
             _wait(lambda: _tcp_open(h.netns, h.ns_ip, h.port), f"cubelet {h.name}", procs=[h.proc])
 
         mp, ap, ep, metp = reserve_port(), reserve_port(), reserve_port(), reserve_port()
-        mcfg = os.path.join(root, "master.toml")
-        with open(mcfg, "w") as f:
-            f.write(f"""grpc_addr = "127.0.0.1:{mp}"
-database_url = "sqlite://{root}/master.db?mode=rwc"
-nodes = ["{hosts[0].url}", "{hosts[1].url}"]
-node_poll_interval_ms = 300
-node_max_misses = 2
-reaper_interval_ms = 250
-metrics_addr = "127.0.0.1:{reserve_port()}"
-""" + tls("master"))
+        mcfg = stack.write_toml(os.path.join(root, "master.toml"), stack.master_config(
+            f"127.0.0.1:{mp}", f"sqlite://{root}/master.db?mode=rwc", [h.url for h in hosts],
+            f"127.0.0.1:{reserve_port()}",
+            {"node_poll_interval_ms": 300, "node_max_misses": 2, **tls("master")}))
         mlog = open(os.path.join(root, "master.log"), "w")
         logs.append(mlog)
         pm = subprocess.Popen([master, "--config", mcfg, "run"], stdout=mlog, stderr=subprocess.STDOUT)
         procs.append(pm)
-        acfg = os.path.join(root, "api.toml")
-        with open(acfg, "w") as f:
-            f.write(f"""api_addr = "127.0.0.1:{ap}"
-edge_addr = "127.0.0.1:{ep}"
-master_url = "http://127.0.0.1:{mp}"
-metrics_addr = "127.0.0.1:{metp}"
-""" + tls("client"))
+        acfg = stack.write_toml(os.path.join(root, "api.toml"), stack.api_config(
+            f"127.0.0.1:{ap}", f"127.0.0.1:{ep}", [f"http://127.0.0.1:{mp}"], f"127.0.0.1:{metp}",
+            tls("client")))
         alog = open(os.path.join(root, "api.log"), "w")
         logs.append(alog)
         pa = subprocess.Popen([api, "--config", acfg], stdout=alog, stderr=subprocess.STDOUT)

@@ -10,7 +10,7 @@ import pytest
 from e2b import NotFoundException, SandboxException, TimeoutException
 from e2b_code_interpreter import Sandbox
 
-from stack import TEMPLATE
+from stack import INTERPRETER_TEMPLATE as TEMPLATE
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import pytest
 from e2b_code_interpreter import Sandbox
 
 import microvm_logs
-from stack import TEMPLATE
+from stack import INTERPRETER_TEMPLATE as TEMPLATE
 
 
 def timed(f):

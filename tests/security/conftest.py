@@ -23,10 +23,8 @@ EDGE_LOOKUP_BURST = 100
 
 @pytest.fixture(scope="session")
 def cube():
-    yield from e2e._stack(e2e.RUNTIME, api_extra=f"""[rate_limit]
-edge_lookup_per_s = {EDGE_LOOKUP_PER_S}
-edge_lookup_burst = {EDGE_LOOKUP_BURST}
-""")
+    yield from e2e._stack(e2e.RUNTIME, api_extra={"rate_limit": {
+        "edge_lookup_per_s": EDGE_LOOKUP_PER_S, "edge_lookup_burst": EDGE_LOOKUP_BURST}})
 
 
 @pytest.fixture(scope="session")

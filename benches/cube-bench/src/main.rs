@@ -181,23 +181,18 @@ fn unix_now() -> u64 {
 
 /// `YYYYMMDD-HHMMSS` (UTC) for directory names.
 fn stamp(unix: u64) -> String {
-    let days = (unix / 86400) as i64;
-    let sod = unix % 86400;
-    // Civil from days (Howard Hinnant), to avoid a date crate for one name.
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
+    let t = i64::try_from(unix)
+        .ok()
+        .and_then(|u| time::OffsetDateTime::from_unix_timestamp(u).ok())
+        .unwrap_or(time::OffsetDateTime::UNIX_EPOCH);
     format!(
-        "{y:04}{m:02}{d:02}-{:02}{:02}{:02}",
-        sod / 3600,
-        (sod % 3600) / 60,
-        sod % 60
+        "{:04}{:02}{:02}-{:02}{:02}{:02}",
+        t.year(),
+        u8::from(t.month()),
+        t.day(),
+        t.hour(),
+        t.minute(),
+        t.second()
     )
 }
 

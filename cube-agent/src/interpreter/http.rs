@@ -4,10 +4,11 @@ use super::contexts::{self, Cell, Registry};
 use super::protocol::{CreateContextRequest, ExecuteRequest, Language, RequestError};
 use super::worker::{find_python, SpawnSpec};
 use super::InterpreterConfig;
-use crate::server::{drain, empty, json_response, read_body, response, Body, Resp};
+use crate::reply::{empty, json_response, response, Body, Resp};
+use crate::request::{drain, read_body};
 use crate::state::Shared;
 use bytes::Bytes;
-use http::{HeaderMap, HeaderValue, Method, Request, Response};
+use http::{HeaderValue, Method, Request, Response};
 use hyper::body::Incoming;
 use std::convert::Infallible;
 use std::path::PathBuf;
@@ -99,16 +100,6 @@ fn bad_request(e: RequestError) -> Resp {
     text(400, e.to_string())
 }
 
-fn token_ok(st: &Interpreter, headers: &HeaderMap) -> bool {
-    match st.agent.access_token() {
-        None => true,
-        Some(t) => headers
-            .get("x-access-token")
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| crate::files_http::ct_eq(v.as_bytes(), t.as_bytes())),
-    }
-}
-
 pub async fn handle(st: Arc<Interpreter>, req: Request<Incoming>) -> Result<Resp, Infallible> {
     Ok(route(st, req).await)
 }
@@ -123,7 +114,7 @@ async fn route(st: Arc<Interpreter>, req: Request<Incoming>) -> Resp {
     // traffic token, which the edge checks and replaces with the envd token.
     if !(m == Method::GET && segs.as_slice() == ["health"])
         && m != Method::OPTIONS
-        && !token_ok(&st, &parts.headers)
+        && !crate::request::token_ok(&st.agent, &parts.headers)
     {
         drain(&mut body).await;
         return json_response(

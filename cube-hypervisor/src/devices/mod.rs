@@ -9,6 +9,7 @@
 //! thread that does exactly that (with `pause()`/`resume()` for snapshots).
 
 pub mod bus;
+#[cfg(any(test, feature = "fuzzing"))]
 pub mod fuzz_input;
 pub mod irq;
 pub mod legacy;

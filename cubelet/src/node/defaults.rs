@@ -5,7 +5,8 @@ use super::CreateRequest;
 use crate::config::SandboxConfig;
 use crate::error::NodeError;
 use crate::runtime::CreateSpec;
-use crate::sandbox::{InitBody, Shape};
+use crate::sandbox::Shape;
+use cube_init::Settings;
 use std::path::Path;
 use std::time::Duration;
 
@@ -82,7 +83,7 @@ pub fn spec(
     CreateSpec {
         rootfs: rootfs.to_path_buf(),
         image_mib: template_bytes.div_ceil(1 << 20),
-        init: InitBody {
+        init: Settings {
             env_vars: req.env_vars.clone(),
             access_token: Some(req.access_token.clone()).filter(|t| !t.is_empty()),
             default_user: user,

@@ -21,7 +21,8 @@ pub mod process;
 pub mod select;
 
 use crate::error::NodeError;
-use crate::sandbox::{InitBody, RuntimeState, SandboxState};
+use crate::sandbox::{RuntimeState, SandboxState};
+use cube_init::Settings;
 use host::{Host, PoolLevel};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -38,7 +39,7 @@ pub struct CreateSpec {
     /// Its size in MiB (the disk size pre-started sandboxes have).
     pub image_mib: u64,
     /// What the agent is initialised with (user and workdir always set).
-    pub init: InitBody,
+    pub init: Settings,
     /// How long the sandbox may take to be ready.
     pub ready_timeout: Duration,
 }

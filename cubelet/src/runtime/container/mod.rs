@@ -421,7 +421,11 @@ impl<L: Launcher> Runtime for Container<L> {
             .endpoint
             .clone()
             .ok_or_else(|| NodeError::Internal("sandbox has no network endpoint".into()))?;
-        let init = crate::agent::InitRequest::of(&spec.init, prior_token.is_some());
+        let init = cube_init::HttpInit::of(
+            &spec.init,
+            prior_token.is_some(),
+            std::time::SystemTime::now(),
+        );
         let ti = Instant::now();
         h.agent(&ep, st.host_addr)
             .init_as(&init, prior_token.as_deref())
@@ -757,7 +761,7 @@ impl<L: Launcher> Container<L> {
             ))
         })?;
         let agent = self.relaunch(st, None).await?;
-        let init = crate::agent::InitRequest::of(&init, false);
+        let init = cube_init::HttpInit::of(&init, false, std::time::SystemTime::now());
         if let Err(e) = agent.init_as(&init, None).await {
             self.end_processes(st, false).await?;
             return Err(NodeError::Internal(format!(

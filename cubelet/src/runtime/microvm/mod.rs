@@ -94,6 +94,7 @@ fn mvm_err(ctx: &str) -> impl FnOnce(MicroVmError) -> NodeError + '_ {
             NodeError::FailedPrecondition(format!("{ctx}: {e}"))
         }
         MicroVmError::Init(_) => NodeError::DeadlineExceeded(format!("{ctx}: {e}")),
+        MicroVmError::Settings(_) => NodeError::InvalidArgument(format!("{ctx}: {e}")),
         _ => NodeError::Internal(format!("{ctx}: {e}")),
     }
 }

@@ -26,7 +26,7 @@
 //! * [`InitResponder`]: the host end of the guest's init channel. The guest (today the shim's
 //!   `agent_standin` test guest; cube-agent on hosts with hardware KVM) connects over vsock to
 //!   host port [`cube_shim::template::STANDIN_INIT_PORT`] after every restore or resume and gets
-//!   a fresh [`InitPayload`]: clock, 32 bytes of entropy from the host, env vars and token, so
+//!   a fresh [`VsockInit`]: clock, 32 bytes of entropy from the host, env vars and token, so
 //!   no two copies of one snapshot share RNG state.
 //! * template snapshots: [`ShimSpawner::build_snapshot`] boots the guest once in a jailed
 //!   `cube-shim --build-template` and snapshots it at its ready point into
@@ -42,7 +42,7 @@ use cube_shim::protocol::Reply;
 use cube_shim::{Client, Op};
 
 pub use crate::runtime::select::{Guest, STANDIN_GUEST};
-pub use crate::sandbox::InitBody;
+pub use cube_init::{Settings, VsockInit};
 
 /// Kernel arguments of a Linux template (the shim appends devices, the init channel and, on
 /// PVM hosts, its workarounds). cube-agent is the template's init.
@@ -66,6 +66,9 @@ pub enum MicroVmError {
     Build(String),
     #[error("init: {0}")]
     Init(String),
+    /// Settings the guest cannot take (too large for one init frame).
+    #[error("init: {0}")]
+    Settings(#[from] cube_init::InitError),
     #[error("{0}")]
     Io(#[from] std::io::Error),
 }
@@ -466,76 +469,12 @@ fn check_snapshot_dir(dir: &Path) -> Result<(), MicroVmError> {
     Ok(())
 }
 
-/// Binary init message: `"CUBI"`, version 1 (u32 LE), unix time in ns (u64 LE), 32 bytes of
-/// entropy, JSON length (u32 LE), JSON [`InitBody`]. One vsock packet (≤ 4052 bytes).
-#[derive(Debug, Clone, PartialEq)]
-pub struct InitPayload {
-    pub clock_ns: u64,
-    pub entropy: [u8; 32],
-    pub body: InitBody,
-}
-
-pub const INIT_MAGIC: &[u8; 4] = b"CUBI";
-
-impl InitPayload {
-    /// A payload with fresh entropy and the current time.
-    pub fn fresh(body: InitBody) -> InitPayload {
-        let mut entropy = [0u8; 32];
-        // SAFETY: getrandom into a local buffer.
-        unsafe { libc::getrandom(entropy.as_mut_ptr() as *mut libc::c_void, 32, 0) };
-        let clock_ns = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(0);
-        InitPayload {
-            clock_ns,
-            entropy,
-            body,
-        }
-    }
-
-    pub fn encode(&self) -> Result<Vec<u8>, MicroVmError> {
-        let json = serde_json::to_vec(&self.body).map_err(|e| MicroVmError::Init(e.to_string()))?;
-        let mut v = Vec::with_capacity(52 + json.len());
-        v.extend_from_slice(INIT_MAGIC);
-        v.extend_from_slice(&1u32.to_le_bytes());
-        v.extend_from_slice(&self.clock_ns.to_le_bytes());
-        v.extend_from_slice(&self.entropy);
-        v.extend_from_slice(&(json.len() as u32).to_le_bytes());
-        v.extend_from_slice(&json);
-        if v.len() > cube_shim::template::STANDIN_MAX_INIT {
-            return Err(MicroVmError::Init(format!(
-                "init payload is {} bytes; the guest takes at most {}",
-                v.len(),
-                cube_shim::template::STANDIN_MAX_INIT
-            )));
-        }
-        Ok(v)
-    }
-
-    pub fn decode(b: &[u8]) -> Result<InitPayload, MicroVmError> {
-        let bad = |m: &str| MicroVmError::Init(format!("bad init payload: {m}"));
-        if b.len() < 52 || &b[0..4] != INIT_MAGIC {
-            return Err(bad("no magic"));
-        }
-        if b[4..8] != 1u32.to_le_bytes() {
-            return Err(bad("version"));
-        }
-        let mut c = [0u8; 8];
-        c.copy_from_slice(&b[8..16]);
-        let mut entropy = [0u8; 32];
-        entropy.copy_from_slice(&b[16..48]);
-        let mut l = [0u8; 4];
-        l.copy_from_slice(&b[48..52]);
-        let n = u32::from_le_bytes(l) as usize;
-        let json = b.get(52..52 + n).ok_or_else(|| bad("short JSON"))?;
-        let body = serde_json::from_slice(json).map_err(|e| bad(&e.to_string()))?;
-        Ok(InitPayload {
-            clock_ns: u64::from_le_bytes(c),
-            entropy,
-            body,
-        })
-    }
+/// A vsock init frame for `settings` with the current time and fresh entropy.
+pub fn fresh_init(settings: Settings) -> VsockInit {
+    let mut entropy = [0u8; cube_init::ENTROPY_BYTES];
+    // SAFETY: getrandom into a local buffer of the length given.
+    unsafe { libc::getrandom(entropy.as_mut_ptr().cast(), entropy.len(), 0) };
+    VsockInit::new(settings, std::time::SystemTime::now(), entropy)
 }
 
 /// The host end of a sandbox's init channel: listens on `<vsock>_<port>`, answers every
@@ -545,7 +484,7 @@ pub struct InitResponder {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
     listener: std::sync::Arc<std::os::unix::net::UnixListener>,
     path: PathBuf,
-    acks: std::sync::mpsc::Receiver<Result<InitPayload, String>>,
+    acks: std::sync::mpsc::Receiver<Result<VsockInit, String>>,
 }
 
 impl InitResponder {
@@ -564,14 +503,14 @@ impl InitResponder {
     /// nested virtualisation, must not fail a create that is within it).
     pub fn start(
         vsock: &Path,
-        body: InitBody,
+        settings: Settings,
         owner: Option<u32>,
         patience: Duration,
     ) -> Result<InitResponder, MicroVmError> {
         let path = Self::listen_path(vsock);
         let _ = std::fs::remove_file(&path);
         // Validate once up front so that an oversized body fails the create, not the guest.
-        InitPayload::fresh(body.clone()).encode()?;
+        fresh_init(settings.clone()).encode()?;
         let listener = std::sync::Arc::new(std::os::unix::net::UnixListener::bind(&path)?);
         if let Some(uid) = owner {
             std::os::unix::fs::chown(&path, Some(uid), Some(uid))?;
@@ -593,7 +532,7 @@ impl InitResponder {
                     }
                     let sent = match r {
                         Ok((conn, _)) => {
-                            tx.send(serve_init(conn, &body, patience).map(|(p, c)| {
+                            tx.send(serve_init(conn, &settings, patience).map(|(p, c)| {
                                 _held = Some(c);
                                 p
                             }))
@@ -617,7 +556,7 @@ impl InitResponder {
     }
 
     /// Waits for the next acknowledged init.
-    pub fn wait_ack(&self, timeout: Duration) -> Result<InitPayload, MicroVmError> {
+    pub fn wait_ack(&self, timeout: Duration) -> Result<VsockInit, MicroVmError> {
         match self.acks.recv_timeout(timeout) {
             Ok(Ok(p)) => Ok(p),
             Ok(Err(e)) => Err(MicroVmError::Init(e)),
@@ -628,7 +567,7 @@ impl InitResponder {
     }
 
     /// Acknowledged inits since the last call, without waiting.
-    pub fn drain(&self) -> Vec<Result<InitPayload, String>> {
+    pub fn drain(&self) -> Vec<Result<VsockInit, String>> {
         self.acks.try_iter().collect()
     }
 }
@@ -648,9 +587,9 @@ impl Drop for InitResponder {
 
 fn serve_init(
     mut conn: std::os::unix::net::UnixStream,
-    body: &InitBody,
+    settings: &Settings,
     patience: Duration,
-) -> Result<(InitPayload, std::os::unix::net::UnixStream), String> {
+) -> Result<(VsockInit, std::os::unix::net::UnixStream), String> {
     conn.set_read_timeout(Some(patience))
         .map_err(|e| e.to_string())?;
     let mut hello = [0u8; 4];
@@ -659,7 +598,7 @@ fn serve_init(
     if &hello != b"redy" {
         return Err(format!("unexpected guest hello {hello:?}"));
     }
-    let p = InitPayload::fresh(body.clone());
+    let p = fresh_init(settings.clone());
     let bytes = p.encode().map_err(|e| e.to_string())?;
     conn.write_all(&bytes)
         .map_err(|e| format!("send init: {e}"))?;
@@ -705,25 +644,10 @@ mod tests {
     }
 
     #[test]
-    fn init_payload_round_trips_and_is_fresh() {
-        let body = InitBody {
-            env_vars: [("A".to_string(), "1".to_string())].into(),
-            access_token: Some("tok".into()),
-            default_user: "user".into(),
-            default_workdir: "/home/user".into(),
-            nameservers: vec!["203.0.113.53".into()],
-        };
-        let a = InitPayload::fresh(body.clone());
-        let b = InitPayload::fresh(body.clone());
+    fn every_init_frame_is_fresh() {
+        let a = fresh_init(Settings::default());
+        let b = fresh_init(Settings::default());
         assert_ne!(a.entropy, b.entropy);
-        let enc = a.encode().unwrap();
-        assert_eq!(&enc[..4], b"CUBI");
-        assert_eq!(InitPayload::decode(&enc).unwrap(), a);
-        assert!(InitPayload::decode(&enc[..40]).is_err());
-        let big = InitBody {
-            env_vars: [("X".to_string(), "y".repeat(5000))].into(),
-            ..body
-        };
-        assert!(InitPayload::fresh(big).encode().is_err());
+        assert!(a.clock_ns > 0 && b.clock_ns >= a.clock_ns);
     }
 }
