@@ -76,18 +76,11 @@ pub fn time_ms(ms: i64) -> String {
     if ms <= 0 {
         return "-".into();
     }
-    match time::OffsetDateTime::from_unix_timestamp(ms / 1000) {
-        Ok(t) => format!(
-            "{:04}-{:02}-{:02} {:02}:{:02}:{:02}",
-            t.year(),
-            u8::from(t.month()),
-            t.day(),
-            t.hour(),
-            t.minute(),
-            t.second()
-        ),
-        Err(_) => "-".into(),
-    }
+    let format = time::macros::format_description!("[year]-[month]-[day] [hour]:[minute]:[second]");
+    time::OffsetDateTime::from_unix_timestamp(ms / 1000)
+        .ok()
+        .and_then(|t| t.format(&format).ok())
+        .unwrap_or_else(|| "-".into())
 }
 
 /// `a, b, c` or `-` when empty.

@@ -138,14 +138,7 @@ def fleet():
         _wait(lambda: len(ready_nodes()) == 2, "both nodes ready in the master", timeout=60)
         yield {"api": f"http://127.0.0.1:{ap}", "key": key, "ctl": ctl, "hosts": hosts}
     finally:
-        for p in reversed(procs):
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+        stack.stop(procs)
         for lf in logs:
             lf.close()
         for h in hosts:

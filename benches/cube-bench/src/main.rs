@@ -185,15 +185,8 @@ fn stamp(unix: u64) -> String {
         .ok()
         .and_then(|u| time::OffsetDateTime::from_unix_timestamp(u).ok())
         .unwrap_or(time::OffsetDateTime::UNIX_EPOCH);
-    format!(
-        "{:04}{:02}{:02}-{:02}{:02}{:02}",
-        t.year(),
-        u8::from(t.month()),
-        t.day(),
-        t.hour(),
-        t.minute(),
-        t.second()
-    )
+    let format = time::macros::format_description!("[year][month][day]-[hour][minute][second]");
+    t.format(&format).unwrap_or_default()
 }
 
 fn results_root() -> PathBuf {
