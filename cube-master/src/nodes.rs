@@ -82,7 +82,8 @@ pub struct Node {
 /// How long a sandbox operation keeps resending to a node that refuses or drops connections:
 /// longer than a cubelet restart (about 2 s), shorter than a client's patience. Every node call
 /// is safe to send twice: kills are idempotent, and a create names its sandbox, which the node
-/// either finishes, refuses as existing, or (restarted) has reaped half-made.
+/// either answers with (made already, or re-adopted after a restart) or, restarted, has reaped
+/// half-made and makes anew.
 pub const NODE_RETRY: Duration = Duration::from_secs(5);
 
 type Clients = (NodeClient<Retrying>, NodeClient<Channel>);

@@ -382,9 +382,37 @@ async fn bad_requests_get_clear_grpc_errors() {
             e.message()
         );
     }
-    cl.create_sandbox(create_req("a1")).await.unwrap();
+    let first = cl
+        .create_sandbox(create_req("a1"))
+        .await
+        .unwrap()
+        .into_inner();
+    // A resent create (the master lost the reply) answers with the sandbox it made, even on a
+    // full node; the same id in another state is refused.
+    let again = cl
+        .create_sandbox(create_req("a1"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (&again.agent_address, again.created_at_ms),
+        (&first.agent_address, first.created_at_ms),
+        "a resent create made another sandbox"
+    );
+    cl.pause_sandbox(pb::PauseSandboxRequest {
+        sandbox_id: "a1".into(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
     let e = cl.create_sandbox(create_req("a1")).await.unwrap_err();
-    assert_eq!(e.code(), Code::AlreadyExists);
+    assert_eq!(e.code(), Code::AlreadyExists, "{e:?}");
+    cl.resume_sandbox(pb::ResumeSandboxRequest {
+        sandbox_id: "a1".into(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
     let e = cl.create_sandbox(create_req("a2")).await.unwrap_err();
     assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
     for e in [

@@ -286,21 +286,24 @@ impl Node {
             runtime: self.runtime.new_state(),
         }));
         let mut guard = entry.clone().lock_owned().await;
-        {
+        let existing = {
             let mut reg = self.registry.lock().unwrap_or_else(|p| p.into_inner());
-            if reg.contains_key(&req.id) {
-                return Err(NodeError::AlreadyExists(format!(
-                    "sandbox {} already exists",
-                    req.id
-                )));
+            match reg.get(&req.id) {
+                Some(e) => Some(e.clone()),
+                None if max > 0 && reg.len() >= max => {
+                    return Err(NodeError::ResourceExhausted(format!(
+                        "node is full: {} of {max} sandboxes",
+                        reg.len()
+                    )));
+                }
+                None => {
+                    reg.insert(req.id.clone(), entry.clone());
+                    None
+                }
             }
-            if max > 0 && reg.len() >= max {
-                return Err(NodeError::ResourceExhausted(format!(
-                    "node is full: {} of {max} sandboxes",
-                    reg.len()
-                )));
-            }
-            reg.insert(req.id.clone(), entry.clone());
+        };
+        if let Some(e) = existing {
+            return self.created_already(e, &req, &manifest.name).await;
         }
         let res = match self.runtime.create(&spec, &mut guard).await {
             Ok(c) => {
@@ -358,6 +361,43 @@ impl Node {
                 Err(e)
             }
         }
+    }
+
+    /// A create for an id this node already has. The master resends a create whose reply it
+    /// lost (a dropped connection, or this cubelet restarted and re-adopted the sandbox), so the
+    /// same running sandbox of the same template is that create's answer; anything else under
+    /// the id is refused. Ids are the master's, so no other create names an existing one.
+    async fn created_already(
+        &self,
+        existing: Entry,
+        req: &CreateRequest,
+        template: &str,
+    ) -> Result<SandboxState, NodeError> {
+        // Waits for a first create still in flight to finish.
+        let st = existing.lock().await.clone();
+        let alive = self
+            .registry
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&req.id)
+            .is_some_and(|e| Arc::ptr_eq(e, &existing));
+        if !(alive
+            && st.phase == Phase::Running
+            && st.template == template
+            && (req.build.is_empty() || st.build == req.build))
+        {
+            return Err(NodeError::AlreadyExists(format!(
+                "sandbox {} already exists",
+                req.id
+            )));
+        }
+        tracing::info!(id = %st.id, "create resent for a sandbox made already; answering with it");
+        self.journal.begin(
+            &st.id,
+            st.created_at_ms,
+            Some(req.access_token.clone()).filter(|t| !t.is_empty()),
+        );
+        Ok(st)
     }
 
     fn entry(&self, id: &str) -> Result<Entry, NodeError> {
