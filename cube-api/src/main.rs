@@ -2,7 +2,8 @@
 
 use anyhow::Context;
 use clap::Parser;
-use cube_api::rest::{router, AppState};
+use cube_api::handlers::router;
+use cube_api::state::AppState;
 use cube_api::{edge, master, metrics, ApiConfig};
 use std::path::PathBuf;
 

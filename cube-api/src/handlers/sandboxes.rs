@@ -1,304 +1,18 @@
-//! The control-plane REST API (E2B `api.e2b.app` subset the SDKs use).
+//! Sandboxes: create, list, get, kill, timeouts, pause and resume, network.
 
 use crate::body::{unsupported, Fields};
 use crate::error::ApiError;
-use crate::master::Master;
-use crate::metrics::Metrics;
-use crate::ratelimit::{retry_after_secs, Class, RateLimiter};
-use crate::sandbox_cache::SandboxCache;
+use crate::extract::{no_sandbox, Body, OptionalBody, Params, SandboxId, Team};
+use crate::rfc3339;
+use crate::state::AppState;
 use crate::ApiConfig;
-use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, MatchedPath, Path, Query, Request, State};
-use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
-use axum::middleware::{self, Next};
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{delete, get, post, put};
-use axum::{Extension, Json, Router};
+use axum::Json;
 use cube_proto::master::v1 as pb;
 use serde_json::{json, Value};
-use std::collections::{BTreeMap, HashMap};
-use std::sync::Arc;
-use std::time::Instant;
-
-#[derive(Clone)]
-pub struct AppState {
-    pub master: Master,
-    pub cfg: ApiConfig,
-    /// The edge's sandbox cache: kill/pause/connect here invalidate it.
-    pub cache: Arc<SandboxCache>,
-    pub metrics: Arc<Metrics>,
-    pub limiter: Arc<RateLimiter>,
-    /// Idempotency keys for creates that come without one.
-    pub retry_keys: Arc<RetryKeys>,
-}
-
-/// Makes up an idempotency key for each create that has none, so that the master client's
-/// resend of that create (across a master restart, see `master.rs`) answers with the sandbox of
-/// the first try instead of making a second. Unique per process run (a random prefix) and per
-/// create (a counter).
-pub struct RetryKeys {
-    prefix: String,
-    next: std::sync::atomic::AtomicU64,
-}
-
-impl RetryKeys {
-    pub fn new() -> RetryKeys {
-        let mut seed = [0u8; 12];
-        if let Err(e) = std::fs::File::open("/dev/urandom")
-            .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut seed))
-        {
-            // Still unique per run unless two runs share a nanosecond and a pid.
-            tracing::warn!(error = %e, "no /dev/urandom; retry keys seeded from the clock");
-            let t = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos())
-                .unwrap_or(0);
-            seed[..8].copy_from_slice(&(t as u64).to_le_bytes());
-            seed[8..].copy_from_slice(&std::process::id().to_le_bytes());
-        }
-        RetryKeys {
-            prefix: format!(
-                "{}{}-",
-                cube_proto::RETRY_IDEMPOTENCY_PREFIX,
-                hex::encode(seed)
-            ),
-            next: std::sync::atomic::AtomicU64::new(0),
-        }
-    }
-
-    pub fn next(&self) -> String {
-        let n = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        format!("{}{n}", self.prefix)
-    }
-}
-
-impl Default for RetryKeys {
-    fn default() -> Self {
-        RetryKeys::new()
-    }
-}
-
-impl AppState {
-    /// State with a fresh cache, metrics and limiter built from `cfg`.
-    pub fn new(master: Master, cfg: ApiConfig) -> AppState {
-        AppState {
-            master,
-            cache: Arc::new(SandboxCache::new(std::time::Duration::from_millis(
-                cfg.edge_cache_ttl_ms,
-            ))),
-            metrics: Arc::new(Metrics::new()),
-            limiter: Arc::new(RateLimiter::new(cfg.rate_limit.clone())),
-            retry_keys: Arc::new(RetryKeys::new()),
-            cfg,
-        }
-    }
-
-    fn invalidate(&self, id: &str) {
-        if self.cache.invalidate(id) > 0 {
-            self.metrics.edge_invalidations.inc();
-        }
-    }
-}
-
-/// The caller's team, set by the auth middleware.
-#[derive(Clone)]
-pub struct Team(pub String);
-
-pub fn router(state: AppState) -> Router {
-    Router::new()
-        .route("/sandboxes", post(create_v1).get(list))
-        .route("/v2/sandboxes", post(create_v2).get(list))
-        .route("/sandboxes/:id", get(get_one).delete(kill))
-        .route("/sandboxes/:id/timeout", post(set_timeout))
-        .route("/sandboxes/:id/refreshes", post(refresh))
-        .route("/sandboxes/:id/pause", post(pause))
-        .route("/sandboxes/:id/network", put(update_network))
-        .route("/sandboxes/:id/resume", post(resume))
-        .route("/sandboxes/:id/connect", post(connect))
-        .route("/v2/sandboxes/:id/connect", post(connect))
-        .route("/sandboxes/:id/snapshots", post(crate::snapshots::create))
-        .route("/snapshots", get(crate::snapshots::list))
-        .route("/templates/:id", delete(crate::snapshots::delete_template))
-        .route("/sandboxes/:id/fork", post(crate::snapshots::fork))
-        .route("/v2/sandboxes/:id/fork", post(crate::snapshots::fork))
-        .route(
-            "/secrets",
-            post(crate::secrets::create).get(crate::secrets::list),
-        )
-        .route(
-            "/secrets/:id",
-            get(crate::secrets::get_one)
-                .post(crate::secrets::update)
-                .delete(crate::secrets::delete),
-        )
-        .route("/sandboxes/:id/metrics", get(crate::sandbox_metrics::one))
-        .route("/sandboxes/metrics", get(crate::sandbox_metrics::many))
-        .route("/sandboxes/:id/logs", get(crate::sandbox_logs::v1))
-        .route("/v2/sandboxes/:id/logs", get(crate::sandbox_logs::v2))
-        .fallback(not_found)
-        .layer(middleware::from_fn_with_state(state.clone(), auth))
-        .route("/health", get(|| async { StatusCode::OK }))
-        .route("/openapi.json", get(crate::openapi::serve))
-        .layer(DefaultBodyLimit::max(state.cfg.max_body_bytes))
-        .layer(middleware::from_fn(json_errors))
-        .layer(middleware::from_fn_with_state(state.clone(), track))
-        .with_state(state)
-}
-
-async fn not_found() -> ApiError {
-    ApiError::new(StatusCode::NOT_FOUND, "Not found")
-}
-
-/// Turns the framework's own plain-text refusals (405, 413, 415, bad query or path) into the
-/// E2B `{code, message}` shape the SDKs parse, keeping their headers (`Allow`, `Retry-After`).
-async fn json_errors(req: Request, next: Next) -> Response {
-    let resp = next.run(req).await;
-    let st = resp.status();
-    if !(st.is_client_error() || st.is_server_error()) {
-        return resp;
-    }
-    let is_json = resp
-        .headers()
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.starts_with("application/json"));
-    if is_json {
-        return resp;
-    }
-    let (parts, body) = resp.into_parts();
-    let text = axum::body::to_bytes(body, 4096)
-        .await
-        .map(|b| String::from_utf8_lossy(&b).trim().to_string())
-        .unwrap_or_default();
-    let message = if text.is_empty() {
-        st.canonical_reason().unwrap_or("Error").to_string()
-    } else {
-        text
-    };
-    let mut r = ApiError::new(st, message).into_response();
-    for (k, v) in parts.headers.iter() {
-        if k != header::CONTENT_TYPE && k != header::CONTENT_LENGTH {
-            r.headers_mut().insert(k.clone(), v.clone());
-        }
-    }
-    r
-}
-
-/// Request count and latency by route pattern (never the raw path: ids would explode labels).
-async fn track(State(st): State<AppState>, req: Request, next: Next) -> Response {
-    // Static labels only: a client can send any method token.
-    let method = match req.method().as_str() {
-        "GET" => "GET",
-        "POST" => "POST",
-        "PUT" => "PUT",
-        "DELETE" => "DELETE",
-        "PATCH" => "PATCH",
-        "HEAD" => "HEAD",
-        "OPTIONS" => "OPTIONS",
-        _ => "OTHER",
-    };
-    let route = req
-        .extensions()
-        .get::<MatchedPath>()
-        .map(|m| m.as_str().to_string())
-        .unwrap_or_else(|| "unmatched".to_string());
-    let t0 = Instant::now();
-    let resp = next.run(req).await;
-    st.metrics
-        .latency
-        .with_label_values(&[method, &route])
-        .observe(t0.elapsed().as_secs_f64());
-    st.metrics
-        .requests
-        .with_label_values(&[method, &route, resp.status().as_str()])
-        .inc();
-    resp
-}
-
-/// E2B's answer for an id that does not exist (or is not the caller's).
-fn no_sandbox(id: &str) -> ApiError {
-    ApiError::new(
-        StatusCode::NOT_FOUND,
-        format!("Sandbox \"{id}\" doesn't exist or you don't have access to it"),
-    )
-}
-
-/// Sandbox ids are `[a-z0-9]{1,64}`; anything else cannot exist, so it is a 404 without
-/// asking the master (and keeps odd bytes out of logs and SQL).
-pub(crate) fn check_id(id: &str) -> Result<(), ApiError> {
-    if !id.is_empty()
-        && id.len() <= 64
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
-    {
-        Ok(())
-    } else {
-        let shown: String = id.chars().take(64).collect();
-        Err(no_sandbox(&shown))
-    }
-}
-
-async fn auth(State(st): State<AppState>, mut req: Request, next: Next) -> Response {
-    let key = match req.headers().get("x-api-key") {
-        None => "".to_string(),
-        // Keys are `e2b_<hex>`: other bytes or absurd lengths cannot be a key.
-        Some(v) => match v.to_str() {
-            Ok(k) if k.len() <= 256 && k.bytes().all(|b| b.is_ascii_graphic()) => k.to_string(),
-            _ => return ApiError::new(StatusCode::UNAUTHORIZED, "Invalid API key").into_response(),
-        },
-    };
-    if key.is_empty() {
-        return ApiError::new(StatusCode::UNAUTHORIZED, "Missing API key").into_response();
-    }
-    let mut m = st.master.clone();
-    match m
-        .validate_api_key(pb::ValidateApiKeyRequest { key: key.clone() })
-        .await
-    {
-        Ok(r) => {
-            let class = Class::of(req.method(), req.uri().path());
-            if let Err(wait) = st.limiter.check(&key, class) {
-                let (label, what) = match class {
-                    Class::Create => ("create", "sandbox creates"),
-                    Class::Other | Class::EdgeLookup => ("other", "requests"),
-                };
-                st.metrics.rate_limited.with_label_values(&[label]).inc();
-                let secs = retry_after_secs(wait);
-                let mut resp = ApiError::new(
-                    StatusCode::TOO_MANY_REQUESTS,
-                    format!("Rate limit exceeded for {what} with this API key, retry in {secs} s"),
-                )
-                .into_response();
-                resp.headers_mut()
-                    .insert(header::RETRY_AFTER, HeaderValue::from(secs));
-                return resp;
-            }
-            req.extensions_mut().insert(Team(r.into_inner().team_id));
-            next.run(req).await
-        }
-        Err(s) if s.code() == tonic::Code::Unauthenticated => {
-            ApiError::new(StatusCode::UNAUTHORIZED, "Invalid API key").into_response()
-        }
-        Err(s) => ApiError::from(s).into_response(),
-    }
-}
-
-pub(crate) fn rfc3339(ms: i64) -> String {
-    use time::format_description::well_known::Rfc3339;
-    time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000)
-        .ok()
-        .and_then(|t| t.format(&Rfc3339).ok())
-        .unwrap_or_default()
-}
-
-/// Unix milliseconds of an RFC 3339 time with any offset (what the SDKs send:
-/// `datetime.isoformat()`, `Date.toISOString()`).
-pub(crate) fn parse_rfc3339_ms(s: &str) -> Option<i64> {
-    use time::format_description::well_known::Rfc3339;
-    let t = time::OffsetDateTime::parse(s, &Rfc3339).ok()?;
-    i64::try_from(t.unix_timestamp_nanos() / 1_000_000).ok()
-}
+use std::collections::BTreeMap;
 
 fn domain(cfg: &ApiConfig) -> Value {
     if cfg.domain.is_empty() {
@@ -309,7 +23,7 @@ fn domain(cfg: &ApiConfig) -> Value {
 }
 
 /// The `Sandbox` object of create/connect responses.
-pub(crate) fn sandbox_json(s: &pb::SandboxInfo, cfg: &ApiConfig) -> Value {
+pub(super) fn sandbox_json(s: &pb::SandboxInfo, cfg: &ApiConfig) -> Value {
     json!({
         "templateID": s.template,
         "sandboxID": s.sandbox_id,
@@ -338,8 +52,8 @@ fn listed_json(s: &pb::SandboxInfo) -> Value {
         "alias": s.template,
         "sandboxID": s.sandbox_id,
         "clientID": "cube",
-        "startedAt": rfc3339(s.started_at_ms),
-        "endAt": rfc3339(s.end_at_ms),
+        "startedAt": rfc3339::format(s.started_at_ms),
+        "endAt": rfc3339::format(s.end_at_ms),
         "cpuCount": s.vcpus,
         "memoryMB": s.memory_mib,
         "diskSizeMB": s.disk_mib,
@@ -512,14 +226,12 @@ impl Egress {
 
 /// `PUT /sandboxes/{id}/network`: replaces the sandbox's whole egress configuration; what the
 /// body omits is cleared (`allow_internet_access` then defaults to true, as at create): 204.
-async fn update_network(
+pub(super) async fn update_network(
     State(st): State<AppState>,
-    Extension(team): Extension<Team>,
-    Path(id): Path<String>,
-    body: Bytes,
+    team: Team,
+    SandboxId(id): SandboxId,
+    OptionalBody(mut b): OptionalBody,
 ) -> Result<Response, ApiError> {
-    check_id(&id)?;
-    let mut b = Fields::parse(&body, true)?;
     let egress = Egress::take(&mut b, "")?;
     let allow_internet = b.bool("allow_internet_access")?.unwrap_or(true);
     b.finish()?;
@@ -540,10 +252,10 @@ async fn create(
     st: AppState,
     team: Team,
     headers: HeaderMap,
-    body: Bytes,
+    body: Fields,
     default_timeout: u64,
 ) -> Result<Response, ApiError> {
-    let mut req = create_request(Fields::parse(&body, false)?, team, default_timeout)?;
+    let mut req = create_request(body, team, default_timeout)?;
     // The master checks the key's form; here only that the header is there and text.
     if let Some(k) = headers.get("idempotency-key") {
         req.idempotency_key = k
@@ -562,21 +274,21 @@ async fn create(
     Ok((StatusCode::CREATED, Json(sandbox_json(&r, &st.cfg))).into_response())
 }
 
-async fn create_v1(
+pub(super) async fn create_v1(
     State(st): State<AppState>,
-    Extension(team): Extension<Team>,
+    team: Team,
     headers: HeaderMap,
-    body: Bytes,
+    Body(body): Body,
 ) -> Result<Response, ApiError> {
     let d = st.cfg.default_timeout_v1_s;
     create(st, team, headers, body, d).await
 }
 
-async fn create_v2(
+pub(super) async fn create_v2(
     State(st): State<AppState>,
-    Extension(team): Extension<Team>,
+    team: Team,
     headers: HeaderMap,
-    body: Bytes,
+    Body(body): Body,
 ) -> Result<Response, ApiError> {
     let d = st.cfg.default_timeout_v2_s;
     create(st, team, headers, body, d).await
@@ -589,23 +301,21 @@ fn sref(team: &Team, id: &str) -> pb::SandboxRef {
     }
 }
 
-async fn get_one(
+pub(super) async fn get_one(
     State(st): State<AppState>,
-    Extension(team): Extension<Team>,
-    Path(id): Path<String>,
+    team: Team,
+    SandboxId(id): SandboxId,
 ) -> Result<Response, ApiError> {
-    check_id(&id)?;
     let mut m = st.master.clone();
     let r = m.get_sandbox(sref(&team, &id)).await?.into_inner();
     Ok(Json(detail_json(&r, &st.cfg)).into_response())
 }
 
-async fn kill(
+pub(super) async fn kill(
     State(st): State<AppState>,
-    Extension(team): Extension<Team>,
-    Path(id): Path<String>,
+    team: Team,
+    SandboxId(id): SandboxId,
 ) -> Result<Response, ApiError> {
-    check_id(&id)?;
     let mut m = st.master.clone();
     let r = m.kill_sandbox(sref(&team, &id)).await;
     // Whatever the outcome, the edge must ask the master again.
@@ -616,14 +326,12 @@ async fn kill(
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
-async fn set_timeout(
+pub(super) async fn set_timeout(
     State(st): State<AppState>,
-    Extension(team): Extension<Team>,
-    Path(id): Path<String>,
-    body: Bytes,
+    team: Team,
+    SandboxId(id): SandboxId,
+    Body(mut b): Body,
 ) -> Result<Response, ApiError> {
-    check_id(&id)?;
-    let mut b = Fields::parse(&body, false)?;
     let t = b.timeout(None)?;
     b.finish()?;
     change_end(&st, team, id, t, false).await
@@ -655,14 +363,12 @@ const MAX_REFRESH_S: i64 = 3600;
 
 /// `POST /sandboxes/{id}/refreshes {"duration"?: 0..3600}`: keeps the sandbox alive for at
 /// least `duration` more seconds (never shortens it; absent = the v1 default timeout).
-async fn refresh(
+pub(super) async fn refresh(
     State(st): State<AppState>,
-    Extension(team): Extension<Team>,
-    Path(id): Path<String>,
-    body: Bytes,
+    team: Team,
+    SandboxId(id): SandboxId,
+    OptionalBody(mut b): OptionalBody,
 ) -> Result<Response, ApiError> {
-    check_id(&id)?;
-    let mut b = Fields::parse(&body, true)?;
     let d = match b.int("duration")? {
         None => st.cfg.default_timeout_v1_s,
         Some(d) if (0..=MAX_REFRESH_S).contains(&d) => d as u64,
@@ -681,15 +387,13 @@ fn without_memory(b: &mut Fields) -> Result<bool, ApiError> {
     Ok(b.bool("memory")? == Some(false))
 }
 
-async fn pause(
+pub(super) async fn pause(
     State(st): State<AppState>,
-    Extension(team): Extension<Team>,
-    Path(id): Path<String>,
-    body: Bytes,
+    team: Team,
+    SandboxId(id): SandboxId,
+    OptionalBody(mut b): OptionalBody,
 ) -> Result<Response, ApiError> {
     // Old SDKs send no body, new ones `{}` or `{"memory": ...}`.
-    check_id(&id)?;
-    let mut b = Fields::parse(&body, true)?;
     let filesystem_only = without_memory(&mut b)?;
     // SDK `pause(strict=True)`: refused with 503, the sandbox running, while its agent does
     // not answer.
@@ -713,10 +417,8 @@ async fn connect_inner(
     st: &AppState,
     team: Team,
     id: String,
-    body: &Bytes,
+    mut b: Fields,
 ) -> Result<(pb::ConnectSandboxResponse, u64), ApiError> {
-    check_id(&id)?;
-    let mut b = Fields::parse(body, true)?;
     let t = b.timeout(Some(st.cfg.default_timeout_v2_s))?;
     let reboot = without_memory(&mut b)?;
     // The legacy resume's `autoPause` (SDK 2.0-2.5) only ever sends false.
@@ -742,13 +444,13 @@ async fn connect_inner(
     Ok((r, t))
 }
 
-async fn connect(
+pub(super) async fn connect(
     State(st): State<AppState>,
-    Extension(team): Extension<Team>,
-    Path(id): Path<String>,
-    body: Bytes,
+    team: Team,
+    SandboxId(id): SandboxId,
+    OptionalBody(b): OptionalBody,
 ) -> Result<Response, ApiError> {
-    let (r, _) = connect_inner(&st, team, id, &body).await?;
+    let (r, _) = connect_inner(&st, team, id, b).await?;
     let sb = r
         .sandbox
         .ok_or_else(|| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "empty connect reply"))?;
@@ -761,13 +463,12 @@ async fn connect(
 }
 
 /// Legacy resume (SDK 2.0–2.5): 409 when the sandbox is already running.
-async fn resume(
+pub(super) async fn resume(
     State(st): State<AppState>,
-    Extension(team): Extension<Team>,
-    Path(id): Path<String>,
-    body: Bytes,
+    team: Team,
+    SandboxId(id): SandboxId,
+    OptionalBody(b): OptionalBody,
 ) -> Result<Response, ApiError> {
-    check_id(&id)?;
     let mut m = st.master.clone();
     let cur = m.get_sandbox(sref(&team, &id)).await?.into_inner();
     if cur.state == "running" {
@@ -776,17 +477,17 @@ async fn resume(
             format!("Sandbox \"{id}\" is already running"),
         ));
     }
-    let (r, _) = connect_inner(&st, team, id, &body).await?;
+    let (r, _) = connect_inner(&st, team, id, b).await?;
     let sb = r
         .sandbox
         .ok_or_else(|| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "empty resume reply"))?;
     Ok((StatusCode::CREATED, Json(sandbox_json(&sb, &st.cfg))).into_response())
 }
 
-async fn list(
+pub(super) async fn list(
     State(st): State<AppState>,
-    Extension(team): Extension<Team>,
-    Query(q): Query<HashMap<String, String>>,
+    team: Team,
+    Params(q): Params,
 ) -> Result<Response, ApiError> {
     const KNOWN: [&str; 7] = [
         "state",
@@ -811,7 +512,7 @@ async fn list(
     }
     let started_after_ms = match q.get("startedAfter") {
         None => 0,
-        Some(t) => parse_rfc3339_ms(t).ok_or_else(|| {
+        Some(t) => rfc3339::parse_ms(t).ok_or_else(|| {
             ApiError::bad_request(format!(
                 "startedAfter must be an RFC 3339 time (got {:?})",
                 t.chars().take(64).collect::<String>()
@@ -863,41 +564,8 @@ async fn list(
 mod tests {
     use super::*;
 
-    #[test]
-    fn made_up_idempotency_keys_differ_per_create_and_per_run() {
-        let (a, b) = (RetryKeys::new(), RetryKeys::new());
-        let (a1, a2, b1) = (a.next(), a.next(), b.next());
-        assert_ne!(a1, a2);
-        assert_ne!(a1, b1, "two runs of cube-api must not share keys");
-        for k in [&a1, &a2, &b1] {
-            assert!(k.starts_with(cube_proto::RETRY_IDEMPOTENCY_PREFIX), "{k}");
-            // What the master accepts as a key.
-            assert!(
-                k.len() <= 255 && k.bytes().all(|b| b.is_ascii_graphic()),
-                "{k}"
-            );
-        }
-    }
-
-    #[test]
-    fn time_format() {
-        assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
-        assert_eq!(rfc3339(1_700_000_000_123), "2023-11-14T22:13:20.123Z");
-        assert_eq!(rfc3339(951_782_400_000), "2000-02-29T00:00:00Z");
-        for ms in [0, 1_700_000_000_123, 951_782_400_000] {
-            assert_eq!(parse_rfc3339_ms(&rfc3339(ms)), Some(ms));
-        }
-        // Python's isoformat() with an offset and microseconds.
-        assert_eq!(
-            parse_rfc3339_ms("2023-11-14T23:13:20.123456+01:00"),
-            Some(1_700_000_000_123)
-        );
-        assert_eq!(parse_rfc3339_ms("yesterday"), None);
-        assert_eq!(parse_rfc3339_ms("2023-11-14"), None);
-    }
-
     fn req(body: &str) -> Result<pb::CreateSandboxRequest, ApiError> {
-        let b = Fields::parse(&Bytes::from(body.to_string()), false)?;
+        let b = Fields::parse(&axum::body::Bytes::from(body.to_string()), false)?;
         create_request(b, Team("t".into()), 300)
     }
 

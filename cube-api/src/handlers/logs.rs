@@ -5,10 +5,12 @@
 //! ended, within the node's retention.
 
 use crate::error::ApiError;
-use crate::rest::{check_id, rfc3339, AppState, Team};
-use axum::extract::{Path, Query, State};
+use crate::extract::{Params, SandboxId, Team};
+use crate::rfc3339;
+use crate::state::AppState;
+use axum::extract::State;
 use axum::response::{IntoResponse, Response};
-use axum::{Extension, Json};
+use axum::Json;
 use cube_proto::master::v1 as pb;
 use cube_proto::nodev1::{LogEntry, SandboxLogsRequest};
 use serde_json::{json, Map, Value};
@@ -18,7 +20,7 @@ use std::collections::HashMap;
 const MAX_LIMIT: u32 = 1000;
 
 fn timestamp(e: &LogEntry) -> String {
-    rfc3339(i64::try_from(e.timestamp_ms).unwrap_or(i64::MAX))
+    rfc3339::format(i64::try_from(e.timestamp_ms).unwrap_or(i64::MAX))
 }
 
 fn entry_json(e: &LogEntry) -> Value {
@@ -85,13 +87,12 @@ async fn read(
 }
 
 /// `GET /sandboxes/{id}/logs?start=<ms>&limit=<n>` → `{logs: [{timestamp, line}], logEntries}`.
-pub async fn v1(
+pub(super) async fn v1(
     State(st): State<AppState>,
-    Extension(team): Extension<Team>,
-    Path(id): Path<String>,
-    Query(q): Query<HashMap<String, String>>,
+    team: Team,
+    SandboxId(id): SandboxId,
+    Params(q): Params,
 ) -> Result<Response, ApiError> {
-    check_id(&id)?;
     let entries = read(
         &st,
         &team,
@@ -117,13 +118,12 @@ pub async fn v1(
 }
 
 /// `GET /v2/sandboxes/{id}/logs?cursor=<ms>&limit&direction&level&search` → `{logs: [...]}`.
-pub async fn v2(
+pub(super) async fn v2(
     State(st): State<AppState>,
-    Extension(team): Extension<Team>,
-    Path(id): Path<String>,
-    Query(q): Query<HashMap<String, String>>,
+    team: Team,
+    SandboxId(id): SandboxId,
+    Params(q): Params,
 ) -> Result<Response, ApiError> {
-    check_id(&id)?;
     let backward = match q.get("direction").map(String::as_str) {
         None | Some("forward") => false,
         Some("backward") => true,

@@ -1,17 +1,16 @@
 //! Snapshots and fork (E2B §2.3): `POST /sandboxes/{id}/snapshots`, `GET /snapshots`,
 //! `DELETE /templates/{id}` (how the SDK deletes a snapshot) and `POST /sandboxes/{id}/fork`.
 
-use crate::body::Fields;
+use super::sandboxes::sandbox_json;
 use crate::error::ApiError;
-use crate::rest::{check_id, sandbox_json, AppState, Team};
-use axum::body::Bytes;
-use axum::extract::{Path, Query, State};
+use crate::extract::{OptionalBody, Param, Params, SandboxId, Team};
+use crate::state::AppState;
+use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::{Extension, Json};
+use axum::Json;
 use cube_proto::master::v1 as pb;
 use serde_json::{json, Value};
-use std::collections::HashMap;
 
 /// Most sandboxes one fork may create (E2B's limit).
 const MAX_FORK: u64 = 20;
@@ -21,14 +20,12 @@ fn snapshot_json(s: &pb::SnapshotInfo) -> Value {
 }
 
 /// `POST /sandboxes/{id}/snapshots` `{"name"?: str, "memory"?: bool}` → 201 `SnapshotInfo`.
-pub async fn create(
+pub(super) async fn create(
     State(st): State<AppState>,
-    Extension(team): Extension<Team>,
-    Path(id): Path<String>,
-    body: Bytes,
+    team: Team,
+    SandboxId(id): SandboxId,
+    OptionalBody(mut b): OptionalBody,
 ) -> Result<Response, ApiError> {
-    check_id(&id)?;
-    let mut b = Fields::parse(&body, true)?;
     let name = b.string("name")?.unwrap_or_default();
     // `memory` is accepted either way: what was captured is the node's runtime's to say
     // (filesystem only on the namespace runtime).
@@ -47,10 +44,10 @@ pub async fn create(
 }
 
 /// `GET /snapshots?sandboxID=&name=&limit=&nextToken=` → 200 `[SnapshotInfo]` + `X-Next-Token`.
-pub async fn list(
+pub(super) async fn list(
     State(st): State<AppState>,
-    Extension(team): Extension<Team>,
-    Query(q): Query<HashMap<String, String>>,
+    team: Team,
+    Params(q): Params,
 ) -> Result<Response, ApiError> {
     let limit = crate::paging::limit(&q)?;
     let mut m = st.master.clone();
@@ -71,10 +68,10 @@ pub async fn list(
 
 /// `DELETE /templates/{id}`: deletes one of the team's snapshots (204). Templates proper are
 /// the operator's (`cubectl template rm`): 403 for those, 404 for anything else.
-pub async fn delete_template(
+pub(super) async fn delete_template(
     State(st): State<AppState>,
-    Extension(team): Extension<Team>,
-    Path(id): Path<String>,
+    team: Team,
+    Param(id): Param,
 ) -> Result<Response, ApiError> {
     let plausible = !id.is_empty()
         && id.len() <= 64
@@ -126,14 +123,12 @@ fn fork_error_status(code: &str) -> StatusCode {
 
 /// `POST /sandboxes/{id}/fork` `{"timeout"?: int, "count"?: 1..20}` → 201
 /// `[{"sandbox": Sandbox} | {"error": {code, message}}]`, one entry per requested fork.
-pub async fn fork(
+pub(super) async fn fork(
     State(st): State<AppState>,
-    Extension(team): Extension<Team>,
-    Path(id): Path<String>,
-    body: Bytes,
+    team: Team,
+    SandboxId(id): SandboxId,
+    OptionalBody(mut b): OptionalBody,
 ) -> Result<Response, ApiError> {
-    check_id(&id)?;
-    let mut b = Fields::parse(&body, true)?;
     let timeout_s = b.timeout(Some(st.cfg.default_timeout_v2_s))?;
     let bad_count =
         || ApiError::bad_request(format!("count must be an integer between 1 and {MAX_FORK}"));

@@ -3,11 +3,13 @@
 //! sampled, the second one fresh sample of each running sandbox.
 
 use crate::error::ApiError;
-use crate::rest::{check_id, rfc3339, AppState, Team};
-use axum::extract::{Path, Query, State};
+use crate::extract::{check_id, Params, SandboxId, Team};
+use crate::rfc3339;
+use crate::state::AppState;
+use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::{Extension, Json};
+use axum::Json;
 use cube_proto::master::v1 as pb;
 use cube_proto::nodev1::{SandboxMetricsRequest, SandboxStatsResponse};
 use serde_json::{json, Map, Value};
@@ -20,7 +22,7 @@ const MAX_IDS: usize = 100;
 pub fn metric_json(s: &SandboxStatsResponse) -> Value {
     let ms = i64::try_from(s.timestamp_ms).unwrap_or(i64::MAX);
     json!({
-        "timestamp": rfc3339(ms),
+        "timestamp": rfc3339::format(ms),
         "timestampUnix": ms / 1000,
         "cpuCount": s.cpu_count,
         "cpuUsedPct": s.cpu_used_pct,
@@ -67,13 +69,12 @@ async fn sample(
 /// `GET /sandboxes/{id}/metrics?start=&end=` → 200 `[SandboxMetric]`: the samples its node
 /// took in the window (seconds, inclusive), oldest first; a running sandbox's include one of
 /// the last second. Paused and ended sandboxes keep theirs (within the node's retention).
-pub async fn one(
+pub(super) async fn one(
     State(st): State<AppState>,
-    Extension(team): Extension<Team>,
-    Path(id): Path<String>,
-    Query(q): Query<HashMap<String, String>>,
+    team: Team,
+    SandboxId(id): SandboxId,
+    Params(q): Params,
 ) -> Result<Response, ApiError> {
-    check_id(&id)?;
     let start = unix_param(&q, "start")?;
     let end = unix_param(&q, "end")?;
     if let (Some(s), Some(e)) = (start, end) {
@@ -101,10 +102,10 @@ pub async fn one(
 
 /// `GET /sandboxes/metrics?sandbox_ids=a,b` → 200 `{"sandboxes": {id: SandboxMetric}}`;
 /// unknown or paused ids are left out.
-pub async fn many(
+pub(super) async fn many(
     State(st): State<AppState>,
-    Extension(team): Extension<Team>,
-    Query(q): Query<HashMap<String, String>>,
+    team: Team,
+    Params(q): Params,
 ) -> Result<Response, ApiError> {
     let Some(raw) = q.get("sandbox_ids") else {
         return Err(ApiError::bad_request("sandbox_ids is required"));

@@ -3,15 +3,15 @@
 
 use crate::body::Fields;
 use crate::error::ApiError;
-use crate::rest::{rfc3339, AppState, Team};
-use axum::body::Bytes;
-use axum::extract::{Path, Query, State};
+use crate::extract::{Body, Param, Params, Team};
+use crate::rfc3339;
+use crate::state::AppState;
+use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::{Extension, Json};
+use axum::Json;
 use cube_proto::master::v1 as pb;
 use serde_json::{json, Value};
-use std::collections::HashMap;
 
 /// E2B's `Secret`: metadata only, never the value.
 fn secret_json(s: &pb::SecretInfo) -> Value {
@@ -20,8 +20,8 @@ fn secret_json(s: &pb::SecretInfo) -> Value {
         "name": s.name,
         "currentVersion": s.current_version,
         "metadata": s.metadata,
-        "createdAt": rfc3339(s.created_at_ms),
-        "updatedAt": rfc3339(s.updated_at_ms),
+        "createdAt": rfc3339::format(s.created_at_ms),
+        "updatedAt": rfc3339::format(s.updated_at_ms),
     })
 }
 
@@ -46,12 +46,11 @@ fn sref(team: Team, id: String) -> pb::SecretRef {
 }
 
 /// `POST /secrets` `{name, value, metadata?}` → 201 `Secret`; 409 when the name is taken.
-pub async fn create(
+pub(super) async fn create(
     State(st): State<AppState>,
-    Extension(team): Extension<Team>,
-    body: Bytes,
+    team: Team,
+    Body(mut b): Body,
 ) -> Result<Response, ApiError> {
-    let mut b = Fields::parse(&body, false)?;
     let name = required_string(&mut b, "name")?;
     let value = required_string(&mut b, "value")?;
     let metadata = b.string_map("metadata")?;
@@ -70,10 +69,10 @@ pub async fn create(
 }
 
 /// `GET /secrets?limit=&nextToken=` → 200 `[Secret]` (oldest first) + `X-Next-Token`.
-pub async fn list(
+pub(super) async fn list(
     State(st): State<AppState>,
-    Extension(team): Extension<Team>,
-    Query(q): Query<HashMap<String, String>>,
+    team: Team,
+    Params(q): Params,
 ) -> Result<Response, ApiError> {
     let limit = crate::paging::limit(&q)?;
     let mut m = st.master.clone();
@@ -91,10 +90,10 @@ pub async fn list(
 }
 
 /// `GET /secrets/{id or name}` → 200 `Secret` or 404.
-pub async fn get_one(
+pub(super) async fn get_one(
     State(st): State<AppState>,
-    Extension(team): Extension<Team>,
-    Path(id): Path<String>,
+    team: Team,
+    Param(id): Param,
 ) -> Result<Response, ApiError> {
     check_ref(&id)?;
     let mut m = st.master.clone();
@@ -104,14 +103,13 @@ pub async fn get_one(
 
 /// `POST /secrets/{id or name}` `{value, metadata?}` → 200 `Secret` with the new version;
 /// `metadata`, when given, replaces the stored one.
-pub async fn update(
+pub(super) async fn update(
     State(st): State<AppState>,
-    Extension(team): Extension<Team>,
-    Path(id): Path<String>,
-    body: Bytes,
+    team: Team,
+    Param(id): Param,
+    Body(mut b): Body,
 ) -> Result<Response, ApiError> {
     check_ref(&id)?;
-    let mut b = Fields::parse(&body, false)?;
     let value = required_string(&mut b, "value")?;
     let metadata = b.opt_string_map("metadata")?;
     b.finish()?;
@@ -130,10 +128,10 @@ pub async fn update(
 }
 
 /// `DELETE /secrets/{id or name}` → 204 or 404.
-pub async fn delete(
+pub(super) async fn delete(
     State(st): State<AppState>,
-    Extension(team): Extension<Team>,
-    Path(id): Path<String>,
+    team: Team,
+    Param(id): Param,
 ) -> Result<Response, ApiError> {
     check_ref(&id)?;
     let mut m = st.master.clone();
