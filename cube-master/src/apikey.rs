@@ -1,7 +1,8 @@
 //! API keys: `e2b_<40 hex>`, stored only as their SHA-256.
 
-use crate::db::{ApiKeyRow, Db};
 use crate::error::MasterError;
+use crate::store::apikeys::ApiKeyRow;
+use crate::store::Db;
 use rand::RngCore;
 use sha2::{Digest, Sha256};
 

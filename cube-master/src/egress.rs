@@ -4,11 +4,11 @@
 //! E2B: with no rules, all traffic may leave; `denyOut` blocks addresses ("0.0.0.0/0" blocks
 //! everything, as `allow_internet_access: false` does); `allowOut` entries always take
 //! precedence over `denyOut` ones. The node's switch decides by longest prefix with a deny
-//! beating an allow of the same prefix, so [`node_policy`] drops every deny entry an allow
-//! entry covers, and turns "deny all" into the switch's internet switch. `allowOut` may also
-//! name domains ("example.com", "*.example.com"), which the node's egress proxy admits; their
-//! DNS goes to `dnsServers` when given (each then an allowed address), else to the node's
-//! resolver.
+//! beating an allow of the same prefix, so [`node_policy`](crate::egress::node_policy) drops
+//! every deny entry an allow entry covers, and turns "deny all" into the switch's internet
+//! switch. `allowOut` may also name domains ("example.com", "*.example.com"), which the node's
+//! egress proxy admits; their DNS goes to `dnsServers` when given (each then an allowed
+//! address), else to the node's resolver.
 
 use crate::error::MasterError;
 use std::net::{IpAddr, Ipv4Addr};

@@ -1,12 +1,17 @@
-//! The `cube.master.v1.Master` gRPC service over a [`Controller`].
+//! The `cube.master.v1.Master` gRPC service over a [`Controller`](crate::ops::Controller),
+//! and the conversions between the master's protocol and the domain (rows, nodes, errors):
+//! the only module that speaks `cube.master.v1` to clients.
 
 use crate::apikey;
-use crate::catalog;
-use crate::db::SandboxRow;
 use crate::error::MasterError;
-use crate::service::{Controller, CreateParams, ListParams};
-use crate::snapshots::Snapshots;
+use crate::fleet::Node;
+use crate::ops::templates::EventStream;
+use crate::ops::{Controller, CreateParams, ListParams};
 use crate::state::SandboxState;
+use crate::store::apikeys::ApiKeyRow;
+use crate::store::secrets::SecretRow;
+use crate::store::snapshots::SnapshotRow;
+use crate::store::{decode_map, SandboxRow};
 use cube_proto::master::v1 as pb;
 use cube_proto::master::v1::master_server::{Master, MasterServer};
 use std::str::FromStr;
@@ -40,7 +45,7 @@ pub fn to_info(ctl: &Controller, r: &SandboxRow) -> pb::SandboxInfo {
         team_id: r.team_id.clone(),
         template: r.template.clone(),
         build: r.build.clone(),
-        state: r.state.clone(),
+        state: r.state.as_str().into(),
         reason: r.reason.clone(),
         node_id: r.node_id.clone(),
         agent_address: r.agent_address.clone(),
@@ -74,7 +79,7 @@ pub fn to_info(ctl: &Controller, r: &SandboxRow) -> pb::SandboxInfo {
     }
 }
 
-fn key_info(k: &crate::db::ApiKeyRow) -> pb::ApiKey {
+fn key_info(k: &ApiKeyRow) -> pb::ApiKey {
     pb::ApiKey {
         id: k.id.clone(),
         name: k.name.clone(),
@@ -83,6 +88,94 @@ fn key_info(k: &crate::db::ApiKeyRow) -> pb::ApiKey {
         created_at_ms: k.created_at_ms,
         revoked: k.revoked != 0,
     }
+}
+
+/// The SnapshotInfo of a snapshot row.
+pub fn snapshot_info(s: &SnapshotRow) -> pb::SnapshotInfo {
+    let mut names = vec![s.id.clone()];
+    if !s.name.is_empty() {
+        names.push(s.name.clone());
+    }
+    pb::SnapshotInfo {
+        snapshot_id: s.id.clone(),
+        names,
+        sandbox_id: s.sandbox_id.clone(),
+        team_id: s.team_id.clone(),
+        node_id: s.node_id.clone(),
+        template: s.template.clone(),
+        build: s.build.clone(),
+        created_at_ms: s.created_at_ms,
+        filesystem_only: s.filesystem_only != 0,
+    }
+}
+
+/// The SecretInfo of a secret row (never its value).
+pub fn secret_info(s: &SecretRow) -> pb::SecretInfo {
+    pb::SecretInfo {
+        secret_id: s.id.clone(),
+        team_id: s.team_id.clone(),
+        name: s.name.clone(),
+        current_version: s.version,
+        metadata: decode_map(&s.metadata).into_iter().collect(),
+        created_at_ms: s.created_at_ms,
+        updated_at_ms: s.updated_at_ms,
+    }
+}
+
+/// The NodeInfo of an in-memory node.
+pub fn node_info(n: &Node) -> pb::NodeInfo {
+    let s = n.status.clone().unwrap_or_default();
+    let cap = s.capacity.unwrap_or_default();
+    pb::NodeInfo {
+        node_id: n.id(),
+        address: n.address.clone(),
+        status: if n.ready { "ready" } else { "not_ready" }.into(),
+        runtime: s.runtime,
+        sandboxes: s.sandboxes,
+        templates: s.templates,
+        max_sandboxes: cap.max_sandboxes,
+        cordoned: n.cordoned,
+        version: s.version,
+        kvm_kind: s.kvm_kind,
+        vcpus: cap.vcpus,
+        memory_mib: cap.memory_mib,
+        disk_free_mib: cap.disk_free_mib,
+        last_seen_ms: n.last_seen_ms,
+        origin: n.origin.as_str().into(),
+    }
+}
+
+/// All nodes as NodeInfos, sorted by id.
+pub fn node_infos(ctl: &Controller) -> Vec<pb::NodeInfo> {
+    ctl.nodes_by_id().iter().map(node_info).collect()
+}
+
+/// gRPC code name of an error, as fork results carry it.
+pub fn code_name(e: &MasterError) -> String {
+    let s: tonic::Status = match e {
+        MasterError::InvalidArgument(m) => tonic::Status::invalid_argument(m.clone()),
+        MasterError::NotFound(m) => tonic::Status::not_found(m.clone()),
+        MasterError::FailedPrecondition(m) => tonic::Status::failed_precondition(m.clone()),
+        MasterError::Unauthenticated(m) => tonic::Status::unauthenticated(m.clone()),
+        MasterError::ResourceExhausted(m) => tonic::Status::resource_exhausted(m.clone()),
+        MasterError::Unavailable(m) => tonic::Status::unavailable(m.clone()),
+        MasterError::Node { status, .. } => match status.code() {
+            tonic::Code::InvalidArgument
+            | tonic::Code::NotFound
+            | tonic::Code::ResourceExhausted => tonic::Status::new(status.code(), ""),
+            _ => tonic::Status::internal(""),
+        },
+        _ => tonic::Status::internal(""),
+    };
+    format!("{:?}", s.code())
+        .chars()
+        .fold(String::new(), |mut o, c| {
+            if c.is_uppercase() && !o.is_empty() {
+                o.push('_');
+            }
+            o.push(c.to_ascii_uppercase());
+            o
+        })
 }
 
 #[tonic::async_trait]
@@ -323,23 +416,29 @@ impl Master for MasterService {
         req: Request<pb::NodeRef>,
     ) -> Result<Response<pb::NodeInfo>, Status> {
         let id = req.into_inner().node_id;
-        Ok(Response::new(self.ctl.set_cordon(&id, true).await?))
+        Ok(Response::new(node_info(
+            &self.ctl.set_cordon(&id, true).await?,
+        )))
     }
     async fn uncordon_node(
         &self,
         req: Request<pb::NodeRef>,
     ) -> Result<Response<pb::NodeInfo>, Status> {
         let id = req.into_inner().node_id;
-        Ok(Response::new(self.ctl.set_cordon(&id, false).await?))
+        Ok(Response::new(node_info(
+            &self.ctl.set_cordon(&id, false).await?,
+        )))
     }
     async fn drain_node(
         &self,
         req: Request<pb::DrainNodeRequest>,
     ) -> Result<Response<pb::DrainNodeResponse>, Status> {
         let r = req.into_inner();
-        Ok(Response::new(
-            self.ctl.drain_node(&r.node_id, r.kill).await?,
-        ))
+        let d = self.ctl.drain_node(&r.node_id, r.kill).await?;
+        Ok(Response::new(pb::DrainNodeResponse {
+            node: Some(node_info(&d.node)),
+            sandboxes: d.sandboxes,
+        }))
     }
     async fn create_join_token(
         &self,
@@ -359,10 +458,9 @@ impl Master for MasterService {
         let metadata = r.metadata.into_iter().collect();
         let s = self
             .ctl
-            .secrets()
-            .create(&r.team_id, &r.name, &r.value, &metadata)
+            .create_secret(&r.team_id, &r.name, &r.value, &metadata)
             .await?;
-        Ok(Response::new(s.info()))
+        Ok(Response::new(secret_info(&s)))
     }
     async fn list_secrets(
         &self,
@@ -371,11 +469,10 @@ impl Master for MasterService {
         let r = req.into_inner();
         let (rows, next_token) = self
             .ctl
-            .secrets()
-            .list(&r.team_id, r.limit, &r.next_token)
+            .list_secrets(&r.team_id, r.limit, &r.next_token)
             .await?;
         Ok(Response::new(pb::ListSecretsResponse {
-            secrets: rows.iter().map(|s| s.info()).collect(),
+            secrets: rows.iter().map(secret_info).collect(),
             next_token,
         }))
     }
@@ -384,8 +481,8 @@ impl Master for MasterService {
         req: Request<pb::SecretRef>,
     ) -> Result<Response<pb::SecretInfo>, Status> {
         let r = req.into_inner();
-        let s = self.ctl.secrets().get(&r.team_id, &r.secret).await?;
-        Ok(Response::new(s.info()))
+        let s = self.ctl.get_secret(&r.team_id, &r.secret).await?;
+        Ok(Response::new(secret_info(&s)))
     }
     async fn update_secret(
         &self,
@@ -395,22 +492,21 @@ impl Master for MasterService {
         let metadata: std::collections::BTreeMap<String, String> = r.metadata.into_iter().collect();
         let s = self
             .ctl
-            .secrets()
-            .update(
+            .update_secret(
                 &r.team_id,
                 &r.secret,
                 &r.value,
                 r.set_metadata.then_some(&metadata),
             )
             .await?;
-        Ok(Response::new(s.info()))
+        Ok(Response::new(secret_info(&s)))
     }
     async fn delete_secret(
         &self,
         req: Request<pb::SecretRef>,
     ) -> Result<Response<pb::DeleteSecretResponse>, Status> {
         let r = req.into_inner();
-        self.ctl.secrets().delete(&r.team_id, &r.secret).await?;
+        self.ctl.delete_secret(&r.team_id, &r.secret).await?;
         Ok(Response::new(pb::DeleteSecretResponse {}))
     }
     async fn snapshot_sandbox(
@@ -418,19 +514,20 @@ impl Master for MasterService {
         req: Request<pb::SnapshotSandboxRequest>,
     ) -> Result<Response<pb::SnapshotInfo>, Status> {
         let r = req.into_inner();
-        let s = Snapshots { ctl: &self.ctl }
+        let s = self
+            .ctl
             .snapshot(&r.team_id, &r.sandbox_id, &r.name)
             .await?;
-        Ok(Response::new(s.info()))
+        Ok(Response::new(snapshot_info(&s)))
     }
     async fn list_snapshots(
         &self,
         req: Request<pb::ListSnapshotsRequest>,
     ) -> Result<Response<pb::ListSnapshotsResponse>, Status> {
         let r = req.into_inner();
-        let (rows, next_token) = Snapshots { ctl: &self.ctl }.list(&r).await?;
+        let (rows, next_token) = self.ctl.list_snapshots(&r).await?;
         Ok(Response::new(pb::ListSnapshotsResponse {
-            snapshots: rows.iter().map(|s| s.info()).collect(),
+            snapshots: rows.iter().map(snapshot_info).collect(),
             next_token,
         }))
     }
@@ -439,9 +536,7 @@ impl Master for MasterService {
         req: Request<pb::DeleteSnapshotRequest>,
     ) -> Result<Response<pb::DeleteSnapshotResponse>, Status> {
         let r = req.into_inner();
-        let existed = Snapshots { ctl: &self.ctl }
-            .delete(&r.team_id, &r.snapshot_id)
-            .await?;
+        let existed = self.ctl.delete_snapshot(&r.team_id, &r.snapshot_id).await?;
         Ok(Response::new(pb::DeleteSnapshotResponse { existed }))
     }
     async fn fork_sandbox(
@@ -449,7 +544,8 @@ impl Master for MasterService {
         req: Request<pb::ForkSandboxRequest>,
     ) -> Result<Response<pb::ForkSandboxResponse>, Status> {
         let r = req.into_inner();
-        let (snap, results) = Snapshots { ctl: &self.ctl }
+        let (snap, results) = self
+            .ctl
             .fork(&r.team_id, &r.sandbox_id, r.count, r.timeout_s)
             .await?;
         let results = results
@@ -461,13 +557,13 @@ impl Master for MasterService {
                 },
                 Err(e) => pb::ForkResult {
                     sandbox: None,
-                    error_code: crate::snapshots::code_name(&e),
+                    error_code: code_name(&e),
                     error: e.to_string(),
                 },
             })
             .collect();
         Ok(Response::new(pb::ForkSandboxResponse {
-            snapshot: Some(snap.info()),
+            snapshot: Some(snapshot_info(&snap)),
             results,
         }))
     }
@@ -475,7 +571,7 @@ impl Master for MasterService {
         &self,
         _req: Request<pb::ListTemplatesRequest>,
     ) -> Result<Response<pb::ListTemplatesResponse>, Status> {
-        let templates = catalog::list(&self.ctl).await?;
+        let templates = self.ctl.list_templates().await?;
         Ok(Response::new(pb::ListTemplatesResponse { templates }))
     }
     async fn get_template(
@@ -484,7 +580,7 @@ impl Master for MasterService {
     ) -> Result<Response<pb::TemplateInfo>, Status> {
         let name = req.into_inner().name;
         // Nodes may hold different builds: the newest one answers, with every holder listed.
-        let builds = catalog::get(&self.ctl, &name).await?;
+        let builds = self.ctl.get_template(&name).await?;
         let mut newest = builds
             .iter()
             .max_by_key(|t| t.created_at_ms)
@@ -500,15 +596,15 @@ impl Master for MasterService {
         &self,
         req: Request<pb::TemplateRef>,
     ) -> Result<Response<pb::DeleteTemplateResponse>, Status> {
-        let builds_deleted = catalog::delete(&self.ctl, &req.into_inner().name).await?;
+        let builds_deleted = self.ctl.delete_template(&req.into_inner().name).await?;
         Ok(Response::new(pb::DeleteTemplateResponse { builds_deleted }))
     }
-    type BuildTemplateStream = catalog::EventStream;
+    type BuildTemplateStream = EventStream;
     async fn build_template(
         &self,
         req: Request<pb::BuildTemplateRequest>,
     ) -> Result<Response<Self::BuildTemplateStream>, Status> {
-        let s = catalog::build(&self.ctl, req.into_inner()).await?;
+        let s = self.ctl.build_template(req.into_inner()).await?;
         Ok(Response::new(s))
     }
     async fn get_sandbox_metrics(
@@ -516,7 +612,7 @@ impl Master for MasterService {
         req: Request<pb::SandboxRef>,
     ) -> Result<Response<cube_proto::nodev1::SandboxStatsResponse>, Status> {
         let r = req.into_inner();
-        let s = crate::sandbox_metrics::stats(&self.ctl, &r.team_id, &r.sandbox_id).await?;
+        let s = self.ctl.sandbox_stats(&r.team_id, &r.sandbox_id).await?;
         Ok(Response::new(s))
     }
 
@@ -528,7 +624,7 @@ impl Master for MasterService {
         let q = r
             .query
             .ok_or_else(|| Status::invalid_argument("query is required"))?;
-        let s = crate::sandbox_history::metrics(&self.ctl, &r.team_id, q).await?;
+        let s = self.ctl.sandbox_metrics_history(&r.team_id, q).await?;
         Ok(Response::new(s))
     }
 
@@ -540,7 +636,7 @@ impl Master for MasterService {
         let q = r
             .query
             .ok_or_else(|| Status::invalid_argument("query is required"))?;
-        let s = crate::sandbox_history::logs(&self.ctl, &r.team_id, q).await?;
+        let s = self.ctl.sandbox_logs(&r.team_id, q).await?;
         Ok(Response::new(s))
     }
 
@@ -549,7 +645,22 @@ impl Master for MasterService {
         _req: Request<pb::ListNodesRequest>,
     ) -> Result<Response<pb::ListNodesResponse>, Status> {
         Ok(Response::new(pb::ListNodesResponse {
-            nodes: self.ctl.node_infos(),
+            nodes: node_infos(&self.ctl),
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn code_names() {
+        assert_eq!(
+            code_name(&MasterError::ResourceExhausted("x".into())),
+            "RESOURCE_EXHAUSTED"
+        );
+        assert_eq!(code_name(&MasterError::NotFound("x".into())), "NOT_FOUND");
+        assert_eq!(code_name(&MasterError::Internal("x".into())), "INTERNAL");
     }
 }

@@ -8,8 +8,8 @@
 //!
 //! On SQLite (one master per database file) the master always leads.
 
-use crate::db::Backend;
 use crate::error::MasterError;
+use crate::store::Backend;
 use sha2::{Digest, Sha256};
 use sqlx::{Connection, PgConnection};
 use std::time::Duration;

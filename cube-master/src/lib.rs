@@ -3,27 +3,33 @@
 //! cube-api and cubectl talk to it over gRPC (`cube.master.v1.Master`); it talks to the
 //! cubelets (`cube.node.v1.Node`).
 
+/// API keys: their shape, creation and validation.
 pub mod apikey;
-pub mod catalog;
+/// The master's configuration file.
 pub mod config;
-pub mod db;
+/// E2B's egress rules (allowOut, denyOut, dnsServers) and what they mean for a node.
 pub mod egress;
+/// Typed errors, mapped to gRPC status codes.
 pub mod error;
+/// The node registry (health, polls, heartbeats, clients) and the pure scheduler.
+pub mod fleet;
+/// The `cube.master.v1.Master` gRPC service and the protocol's conversions.
+pub mod grpc;
+/// Random ids.
 pub mod ids;
+/// One leading master per PostgreSQL database.
 pub mod leader;
-pub mod lifecycle;
+/// Prometheus metrics and the gRPC request counter.
 pub mod metrics;
-pub mod node_store;
-pub mod nodes;
-pub mod reaper;
-pub mod sandbox_history;
-pub mod sandbox_metrics;
-pub mod scheduler;
+/// The master's operations, as methods of its [`ops::Controller`].
+pub mod ops;
+/// The secrets key (sealing values) and the checks of secrets.
 pub mod secrets;
-pub mod server;
-pub mod service;
-pub mod snapshots;
+/// The sandbox state machine.
 pub mod state;
+/// SQL storage: migrations, and one `impl Db` per table.
+pub mod store;
+/// Envd access tokens, derived from the master's key.
 pub mod token;
 
 pub use config::MasterConfig;

@@ -2,12 +2,12 @@
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use cube_master::db::Db;
+use cube_master::fleet::Nodes;
+use cube_master::grpc::MasterService;
 use cube_master::leader::Lease;
-use cube_master::nodes::Nodes;
-use cube_master::server::MasterService;
-use cube_master::service::Controller;
-use cube_master::{reaper, MasterConfig};
+use cube_master::ops::Controller;
+use cube_master::store::Db;
+use cube_master::MasterConfig;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -86,14 +86,14 @@ async fn run(cfg: MasterConfig) -> anyhow::Result<()> {
         tracing::info!(addr = %metrics_addr, "metrics on /metrics");
         let c = ctl.clone();
         tokio::spawn(async move {
-            if let Err(e) = cube_master::metrics::serve(c, l).await {
+            if let Err(e) = serve_metrics(c, l).await {
                 tracing::error!(error = %e, "metrics server stopped");
             }
         });
     }
     // Other masters on the same PostgreSQL database: lead, or stand by (running, not listening)
     // until the leader is gone.
-    let shared = ctl.db.backend() == cube_master::db::Backend::Postgres;
+    let shared = ctl.db.backend() == cube_master::store::Backend::Postgres;
     if shared {
         let _ = cube_proto::systemd::notify_ready();
         let _ = cube_proto::systemd::notify("STATUS=standby: waiting to lead");
@@ -117,7 +117,7 @@ async fn run(cfg: MasterConfig) -> anyhow::Result<()> {
         ctl.clone()
             .run_node_health(poll.min(Duration::from_millis(1000))),
     );
-    tokio::spawn(reaper::run(ctl.clone(), reap));
+    tokio::spawn(ctl.clone().run_reaper(reap));
     let mut server = tonic::transport::Server::builder();
     if let Some(t) = cube_proto::tls::process_tls() {
         server = server
@@ -154,6 +154,26 @@ async fn run(cfg: MasterConfig) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// Serves `/metrics` on `addr` until the process ends.
+async fn serve_metrics(
+    ctl: Arc<Controller>,
+    listener: tokio::net::TcpListener,
+) -> std::io::Result<()> {
+    let app = axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let ctl = ctl.clone();
+            async move {
+                (
+                    [("content-type", "text/plain; version=0.0.4")],
+                    ctl.metrics_text().await,
+                )
+            }
+        }),
+    );
+    axum::serve(listener, app).await
 }
 
 /// The URL without its password, for messages.

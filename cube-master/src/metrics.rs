@@ -1,4 +1,5 @@
-//! Prometheus metrics of the master, served as text at `http://<metrics_addr>/metrics`.
+//! Prometheus metrics of the master, served as text at `http://<metrics_addr>/metrics`
+//! ([`crate::ops::Controller::metrics_text`]; the endpoint is the daemon's).
 //!
 //! Names (stable; dashboards use them):
 //! - `cube_master_sandboxes{state}` — sandboxes per state (read from the database at scrape)
@@ -17,7 +18,7 @@
 //! - `cube_master_idempotent_replays_total` — creates answered with an earlier create's sandbox
 //! - `cube_master_grpc_requests_total{method}`, `cube_master_grpc_errors_total{method, code}`
 
-use crate::nodes::{Health, Nodes};
+use crate::fleet::{Health, Nodes};
 use prometheus::{
     Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
     Registry, TextEncoder,
@@ -211,44 +212,6 @@ impl Metrics {
         }
         String::from_utf8_lossy(&buf).into_owned()
     }
-}
-
-/// The text of `/metrics`: gauges refreshed from the database and the node registry first.
-pub async fn scrape(ctl: &crate::service::Controller) -> String {
-    let m = &ctl.metrics;
-    match ctl.db.count_by_state().await {
-        Ok(counts) => {
-            for s in crate::state::SandboxState::ALL {
-                let n = counts.iter().find(|(st, _)| *st == s).map(|x| x.1);
-                m.sandboxes
-                    .with_label_values(&[s.as_str()])
-                    .set(n.unwrap_or(0));
-            }
-        }
-        Err(e) => tracing::warn!(error = %e, "metrics: counting sandboxes failed"),
-    }
-    m.observe_nodes(&ctl.nodes);
-    m.render()
-}
-
-/// Serves `/metrics` on `addr` until the process ends.
-pub async fn serve(
-    ctl: Arc<crate::service::Controller>,
-    listener: tokio::net::TcpListener,
-) -> std::io::Result<()> {
-    let app = axum::Router::new().route(
-        "/metrics",
-        axum::routing::get(move || {
-            let ctl = ctl.clone();
-            async move {
-                (
-                    [("content-type", "text/plain; version=0.0.4")],
-                    scrape(&ctl).await,
-                )
-            }
-        }),
-    );
-    axum::serve(listener, app).await
 }
 
 /// A tower layer counting gRPC requests and errors per method. Errors returned by handlers

@@ -3,11 +3,12 @@
 //! by any read path. A row holds the team, the name, the current version, the metadata and
 //! the sealed current value; the associated data binds the sealed value to its row
 //! (team, id, version), so a value copied into another row does not open.
+//!
+//! This module is the key and the checks; the operations are in [`crate::ops::secrets`], the
+//! rows in [`crate::store::secrets`].
 
-use crate::db::{encode_map, Db, SecretRow};
 use crate::error::MasterError;
 use base64::Engine;
-use cube_proto::master::v1 as pb;
 use ring::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM, NONCE_LEN};
 use ring::rand::{SecureRandom, SystemRandom};
 use std::collections::BTreeMap;
@@ -244,157 +245,6 @@ pub fn check_metadata(m: &BTreeMap<String, String>) -> Result<(), MasterError> {
 /// `sec_` and 20 lowercase alphanumerics.
 pub fn new_secret_id() -> String {
     crate::ids::random_id(ID_PREFIX, 20)
-}
-
-impl SecretRow {
-    pub fn info(&self) -> pb::SecretInfo {
-        pb::SecretInfo {
-            secret_id: self.id.clone(),
-            team_id: self.team_id.clone(),
-            name: self.name.clone(),
-            current_version: self.version,
-            metadata: crate::db::decode_map(&self.metadata).into_iter().collect(),
-            created_at_ms: self.created_at_ms,
-            updated_at_ms: self.updated_at_ms,
-        }
-    }
-}
-
-/// The secrets store: checks, seals, and the team's rows.
-pub struct Secrets<'a> {
-    pub db: &'a Db,
-    pub key: &'a SecretsKey,
-}
-
-fn not_found(key: &str) -> MasterError {
-    let shown: String = key.chars().take(64).collect();
-    MasterError::NotFound(format!("secret {shown:?} not found"))
-}
-
-fn team_of(team: &str) -> Result<&str, MasterError> {
-    if team.is_empty() {
-        return Err(bad("team_id is required".into()));
-    }
-    Ok(team)
-}
-
-impl Secrets<'_> {
-    pub async fn create(
-        &self,
-        team: &str,
-        name: &str,
-        value: &str,
-        metadata: &BTreeMap<String, String>,
-    ) -> Result<SecretRow, MasterError> {
-        let team = team_of(team)?;
-        let name = check_name(name)?;
-        check_value(value)?;
-        check_metadata(metadata)?;
-        let id = new_secret_id();
-        let now = crate::now_ms();
-        let row = SecretRow {
-            sealed: self.key.seal(team, &id, 1, value.as_bytes())?,
-            id,
-            team_id: team.to_string(),
-            name,
-            version: 1,
-            metadata: encode_map(metadata),
-            created_at_ms: now,
-            updated_at_ms: now,
-        };
-        if !self.db.insert_secret(&row).await? {
-            return Err(MasterError::AlreadyExists(format!(
-                "a secret named {:?} already exists",
-                row.name
-            )));
-        }
-        Ok(row)
-    }
-
-    /// The team's secret named by id or name.
-    pub async fn get(&self, team: &str, key: &str) -> Result<SecretRow, MasterError> {
-        let team = team_of(team)?;
-        if key.is_empty() || key.len() > MAX_NAME {
-            return Err(not_found(key));
-        }
-        self.db
-            .get_secret(team, &key.to_lowercase())
-            .await?
-            .ok_or_else(|| not_found(key))
-    }
-
-    /// One page of the team's secrets, oldest first. The token is the last row's
-    /// `<created_at_ms>.<id>`.
-    pub async fn list(
-        &self,
-        team: &str,
-        limit: u32,
-        next_token: &str,
-    ) -> Result<(Vec<SecretRow>, String), MasterError> {
-        let team = team_of(team)?;
-        let limit = if limit == 0 { 100 } else { limit.min(100) } as usize;
-        let cursor = if next_token.is_empty() {
-            None
-        } else {
-            Some(
-                next_token
-                    .split_once('.')
-                    .and_then(|(a, b)| Some((a.parse::<i64>().ok()?, b.to_string())))
-                    .ok_or_else(|| bad("invalid next token".into()))?,
-            )
-        };
-        let mut rows = self.db.page_secrets(team, cursor, limit + 1).await?;
-        let more = rows.len() > limit;
-        rows.truncate(limit);
-        let token = match (more, rows.last()) {
-            (true, Some(s)) => format!("{}.{}", s.created_at_ms, s.id),
-            _ => String::new(),
-        };
-        Ok((rows, token))
-    }
-
-    /// Stores `value` as the secret's next version; `metadata` replaces the stored one when
-    /// given.
-    pub async fn update(
-        &self,
-        team: &str,
-        key: &str,
-        value: &str,
-        metadata: Option<&BTreeMap<String, String>>,
-    ) -> Result<SecretRow, MasterError> {
-        check_value(value)?;
-        if let Some(m) = metadata {
-            check_metadata(m)?;
-        }
-        // Optimistic: the row moves only from the version the value was sealed for.
-        for _ in 0..5 {
-            let mut row = self.get(team, key).await?;
-            let from = row.version;
-            row.version = from + 1;
-            row.sealed = self
-                .key
-                .seal(&row.team_id, &row.id, row.version, value.as_bytes())?;
-            if let Some(m) = metadata {
-                row.metadata = encode_map(m);
-            }
-            row.updated_at_ms = crate::now_ms().max(row.created_at_ms);
-            if self.db.update_secret(&row, from).await? {
-                return Ok(row);
-            }
-        }
-        Err(MasterError::Unavailable(
-            "the secret changed concurrently; retry".into(),
-        ))
-    }
-
-    pub async fn delete(&self, team: &str, key: &str) -> Result<(), MasterError> {
-        let row = self.get(team, key).await?;
-        if self.db.delete_secret(&row.team_id, &row.id).await? {
-            Ok(())
-        } else {
-            Err(not_found(key))
-        }
-    }
 }
 
 #[cfg(test)]

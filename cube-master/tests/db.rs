@@ -5,9 +5,9 @@
 mod common;
 
 use cube_master::apikey;
-use cube_master::db::{Db, PageQuery, SandboxRow};
-use cube_master::node_store::{NodeRow, TokenRefusal};
 use cube_master::state::SandboxState;
+use cube_master::store::nodes::{NodeRow, TokenRefusal};
+use cube_master::store::{Db, PageQuery, SandboxRow};
 use cube_master::MasterError;
 
 fn row(id: &str) -> SandboxRow {
@@ -16,7 +16,7 @@ fn row(id: &str) -> SandboxRow {
         team_id: "t".into(),
         template: "base".into(),
         build: String::new(),
-        state: "creating".into(),
+        state: SandboxState::Creating,
         reason: String::new(),
         node_id: "n1".into(),
         agent_address: String::new(),
@@ -458,102 +458,118 @@ async fn bad_urls_are_clear_errors() {
 }
 
 async fn secrets_store(url: String) {
-    use cube_master::secrets::{Secrets, SecretsKey};
+    use cube_master::fleet::Nodes;
+    use cube_master::ops::Controller;
+    use cube_master::secrets::SecretsKey;
+    use cube_master::MasterConfig;
     use std::collections::BTreeMap;
     let db = Db::open(&url).await.unwrap();
     let key = SecretsKey::random();
-    let s = Secrets { db: &db, key: &key };
+    let ctl = Controller::new(
+        MasterConfig::default(),
+        db.clone(),
+        Nodes::new(&[], 3).unwrap(),
+    )
+    .with_secrets_key(key);
     let meta: BTreeMap<String, String> = [("env".to_string(), "prod".to_string())].into();
-    let a = s
-        .create("t1", "Alpha", "plain-alpha-value", &meta)
+    let a = ctl
+        .create_secret("t1", "Alpha", "plain-alpha-value", &meta)
         .await
         .unwrap();
     assert!(a.id.starts_with("sec_"));
     assert_eq!((a.name.as_str(), a.version), ("alpha", 1));
-    let b = s
-        .create("t1", "beta", "plain-beta-value", &BTreeMap::new())
+    let b = ctl
+        .create_secret("t1", "beta", "plain-beta-value", &BTreeMap::new())
         .await
         .unwrap();
-    let c = s
-        .create("t1", "gamma", "plain-gamma-value", &BTreeMap::new())
+    let c = ctl
+        .create_secret("t1", "gamma", "plain-gamma-value", &BTreeMap::new())
         .await
         .unwrap();
     // Names are unique per team (case-insensitively: they are stored lower-cased) ...
     assert!(matches!(
-        s.create("t1", "ALPHA", "x", &BTreeMap::new()).await,
+        ctl.create_secret("t1", "ALPHA", "x", &BTreeMap::new())
+            .await,
         Err(MasterError::AlreadyExists(_))
     ));
     // ... not across teams.
-    let other = s
-        .create("t2", "alpha", "plain-other-value", &BTreeMap::new())
+    let other = ctl
+        .create_secret("t2", "alpha", "plain-other-value", &BTreeMap::new())
         .await
         .unwrap();
     assert!(matches!(
-        s.create("t1", "a{b}", "x", &BTreeMap::new()).await,
+        ctl.create_secret("t1", "a{b}", "x", &BTreeMap::new()).await,
         Err(MasterError::InvalidArgument(_))
     ));
     assert!(matches!(
-        s.create("t1", "empty-value", "", &BTreeMap::new()).await,
+        ctl.create_secret("t1", "empty-value", "", &BTreeMap::new())
+            .await,
         Err(MasterError::InvalidArgument(_))
     ));
 
     // Pages of two, in creation order (ties broken by id), then the rest.
-    let (p1, tok) = s.list("t1", 2, "").await.unwrap();
+    let (p1, tok) = ctl.list_secrets("t1", 2, "").await.unwrap();
     assert_eq!(p1.len(), 2);
     assert!(!tok.is_empty());
-    let (p2, tok2) = s.list("t1", 2, &tok).await.unwrap();
+    let (p2, tok2) = ctl.list_secrets("t1", 2, &tok).await.unwrap();
     assert_eq!(p2.len(), 1);
     assert!(tok2.is_empty());
     let mut expect = [a.clone(), b.clone(), c.clone()];
     expect.sort_by(|x, y| (x.created_at_ms, &x.id).cmp(&(y.created_at_ms, &y.id)));
     let got: Vec<String> = p1.iter().chain(&p2).map(|r| r.id.clone()).collect();
     assert_eq!(got, expect.iter().map(|r| r.id.clone()).collect::<Vec<_>>());
-    assert!(s.list("t1", 2, "garbage").await.is_err());
-    let (all, _) = s.list("t1", 0, "").await.unwrap();
+    assert!(ctl.list_secrets("t1", 2, "garbage").await.is_err());
+    let (all, _) = ctl.list_secrets("t1", 0, "").await.unwrap();
     assert_eq!(all.len(), 3);
 
     // By id and by name (any case).
-    assert_eq!(s.get("t1", &a.id).await.unwrap(), a);
-    assert_eq!(s.get("t1", "alpha").await.unwrap(), a);
-    assert_eq!(s.get("t1", "ALPHA").await.unwrap(), a);
-    assert_eq!(s.get("t2", "alpha").await.unwrap().id, other.id);
+    assert_eq!(ctl.get_secret("t1", &a.id).await.unwrap(), a);
+    assert_eq!(ctl.get_secret("t1", "alpha").await.unwrap(), a);
+    assert_eq!(ctl.get_secret("t1", "ALPHA").await.unwrap(), a);
+    assert_eq!(ctl.get_secret("t2", "alpha").await.unwrap().id, other.id);
     // Another team's secret is not found, by id or name.
     assert!(matches!(
-        s.get("t2", &a.id).await,
+        ctl.get_secret("t2", &a.id).await,
         Err(MasterError::NotFound(_))
     ));
     assert!(matches!(
-        s.get("t3", "beta").await,
+        ctl.get_secret("t3", "beta").await,
         Err(MasterError::NotFound(_))
     ));
-    assert!(s.list("t3", 0, "").await.unwrap().0.is_empty());
+    assert!(ctl.list_secrets("t3", 0, "").await.unwrap().0.is_empty());
     assert!(matches!(
-        s.update("t2", &b.id, "x", None).await,
+        ctl.update_secret("t2", &b.id, "x", None).await,
         Err(MasterError::NotFound(_))
     ));
     assert!(matches!(
-        s.delete("t2", &b.id).await,
+        ctl.delete_secret("t2", &b.id).await,
         Err(MasterError::NotFound(_))
     ));
 
     // An update is the next version; metadata is kept unless given, replaced when given.
-    let a2 = s
-        .update("t1", "alpha", "plain-alpha-two", None)
+    let a2 = ctl
+        .update_secret("t1", "alpha", "plain-alpha-two", None)
         .await
         .unwrap();
     assert_eq!((a2.id.as_str(), a2.version), (a.id.as_str(), 2));
     assert_eq!(
-        a2.info().metadata.get("env").map(String::as_str),
+        cube_master::grpc::secret_info(&a2)
+            .metadata
+            .get("env")
+            .map(String::as_str),
         Some("prod")
     );
     let new_meta: BTreeMap<String, String> = [("k".to_string(), "v".to_string())].into();
-    let a3 = s
-        .update("t1", &a.id, "plain-alpha-three", Some(&new_meta))
+    let a3 = ctl
+        .update_secret("t1", &a.id, "plain-alpha-three", Some(&new_meta))
         .await
         .unwrap();
     assert_eq!(a3.version, 3);
     assert_eq!(
-        a3.info().metadata.into_iter().collect::<BTreeMap<_, _>>(),
+        cube_master::grpc::secret_info(&a3)
+            .metadata
+            .into_iter()
+            .collect::<BTreeMap<_, _>>(),
         new_meta
     );
     assert!(a3.updated_at_ms >= a.updated_at_ms);
@@ -576,26 +592,26 @@ async fn secrets_store(url: String) {
     }
 
     // Delete, by name or id; then it is gone.
-    s.delete("t1", "beta").await.unwrap();
+    ctl.delete_secret("t1", "beta").await.unwrap();
     assert!(matches!(
-        s.get("t1", &b.id).await,
+        ctl.get_secret("t1", &b.id).await,
         Err(MasterError::NotFound(_))
     ));
     assert!(matches!(
-        s.delete("t1", &b.id).await,
+        ctl.delete_secret("t1", &b.id).await,
         Err(MasterError::NotFound(_))
     ));
-    s.delete("t1", &c.id).await.unwrap();
-    let (left, _) = s.list("t1", 0, "").await.unwrap();
+    ctl.delete_secret("t1", &c.id).await.unwrap();
+    let (left, _) = ctl.list_secrets("t1", 0, "").await.unwrap();
     assert_eq!(
         left.iter().map(|r| r.id.clone()).collect::<Vec<_>>(),
         vec![a.id.clone()]
     );
     // The name is free again once deleted.
-    s.create("t1", "beta", "again", &BTreeMap::new())
+    ctl.create_secret("t1", "beta", "again", &BTreeMap::new())
         .await
         .unwrap();
-    assert_eq!(s.get("t2", "alpha").await.unwrap().version, 1);
+    assert_eq!(ctl.get_secret("t2", "alpha").await.unwrap().version, 1);
 }
 
 both_backends!(secrets_crud, super::secrets_store);

@@ -2,9 +2,10 @@
 //! one that refuses every create, one that accepts). The real cubelet path is covered by
 //! tests/e2e.
 
-use cube_master::db::Db;
-use cube_master::nodes::Nodes;
-use cube_master::service::{Controller, CreateParams};
+use cube_master::fleet::Nodes;
+use cube_master::ops::{Controller, CreateParams};
+use cube_master::state::SandboxState;
+use cube_master::store::Db;
 use cube_master::{MasterConfig, MasterError};
 use cube_proto::nodev1 as pb;
 use cube_proto::nodev1::node_server::{Node, NodeServer};
@@ -215,13 +216,16 @@ async fn create_fails_over_to_the_next_node() {
     let (ctl, _d) = controller(&addrs).await;
     let row = ctl.create(params()).await.unwrap();
     assert_eq!(row.node_id, "good");
-    assert_eq!(row.state, "running");
+    assert_eq!(row.state, SandboxState::Running);
     assert_eq!(row.envd_version, "0.6.4");
     assert_eq!(bad.creates.load(Ordering::SeqCst), 1);
     // Whatever the failing node half-made is cleaned up there.
     assert_eq!(bad.kills.load(Ordering::SeqCst), 1);
     assert_eq!(good.creates.load(Ordering::SeqCst), 1);
-    assert_eq!(ctl.get("t", &row.id).await.unwrap().state, "running");
+    assert_eq!(
+        ctl.get("t", &row.id).await.unwrap().state,
+        SandboxState::Running
+    );
     // Another team does not see it.
     assert!(matches!(
         ctl.get("u", &row.id).await,
@@ -265,13 +269,13 @@ async fn a_create_cut_short_by_the_masters_end_is_failed_and_its_retry_goes_ahea
     assert_eq!(second.fail_interrupted_creates().await.unwrap(), 1);
     assert_eq!(second.fail_interrupted_creates().await.unwrap(), 0);
     let row = second.db.get_sandbox(&stuck[0].id).await.unwrap().unwrap();
-    assert_eq!(row.state, "failed");
-    assert_eq!(row.reason, cube_master::lifecycle::INTERRUPTED_CREATE);
+    assert_eq!(row.state, SandboxState::Failed);
+    assert_eq!(row.reason, cube_master::ops::sandboxes::INTERRUPTED_CREATE);
     // The retry: a new sandbox, promptly (not after the replay's wait for the dead create).
     let t = std::time::Instant::now();
     let again = second.create(keyed()).await.unwrap();
     assert_ne!(again.id, stuck[0].id);
-    assert_eq!(again.state, "running");
+    assert_eq!(again.state, SandboxState::Running);
     assert!(
         t.elapsed() < std::time::Duration::from_secs(10),
         "{:?}",

@@ -7,7 +7,8 @@
 mod common;
 
 use common::{controller, serve, FakeNode};
-use cube_master::service::{Controller, CreateParams};
+use cube_master::ops::{Controller, CreateParams};
+use cube_master::state::SandboxState;
 use cube_master::{MasterConfig, MasterError};
 use cube_proto::nodev1 as pb;
 use std::sync::atomic::Ordering;
@@ -54,7 +55,7 @@ async fn auto_pause_at_the_timeout(url: String) {
     ctl.db.set_end(&plain.id, past).await.unwrap();
     assert_eq!(ctl.reap_once().await.unwrap(), 2);
     let k = ctl.get("t", &keep.id).await.unwrap();
-    assert_eq!(k.state, "paused");
+    assert_eq!(k.state, SandboxState::Paused);
     assert!(k.reason.contains("auto-pause"), "{}", k.reason);
     assert_eq!(
         node.state_of(&keep.id),
@@ -77,7 +78,7 @@ async fn auto_pause_at_the_timeout(url: String) {
     let before = cube_master::now_ms();
     let (r, resumed) = ctl.connect("", &keep.id, 0).await.unwrap();
     assert!(resumed);
-    assert_eq!(r.state, "running");
+    assert_eq!(r.state, SandboxState::Running);
     let end = ctl.get("t", &keep.id).await.unwrap().end_at_ms;
     assert!(
         (before + 600_000..before + 610_000).contains(&end),
@@ -106,7 +107,7 @@ async fn filesystem_only_pauses(url: String) {
     let node = FakeNode::new("fs");
     let ctl = controller_on(&url, &node).await;
     let info_mode =
-        |r: &cube_master::db::SandboxRow| cube_master::server::to_info(&ctl, r).pause_mode;
+        |r: &cube_master::store::SandboxRow| cube_master::grpc::to_info(&ctl, r).pause_mode;
     let a = ctl.create(params(600)).await.unwrap();
     let p = ctl.pause_with("t", &a.id, false, true).await.unwrap();
     assert_eq!(
@@ -237,7 +238,7 @@ async fn idempotent_creates(url: String) {
         Err(MasterError::NotFound(_))
     ));
     let fixed = ctl.create(keyed("k-2")).await.unwrap();
-    assert_eq!(fixed.state, "running");
+    assert_eq!(fixed.state, SandboxState::Running);
     // Once its sandbox is killed, the key answers that (rather than a dead sandbox).
     ctl.kill("t", &ids[0], "test").await.unwrap();
     let e = ctl.create(keyed("k-1")).await.unwrap_err();
@@ -357,33 +358,27 @@ async fn history_outlives_the_sandbox(url: String) {
         sandbox_id: row.id.clone(),
         ..Default::default()
     };
-    let live = cube_master::sandbox_history::logs(&ctl, "t", q())
-        .await
-        .unwrap();
+    let live = ctl.sandbox_logs("t", q()).await.unwrap();
     assert_eq!(live.entries[0].message, format!("log of {}", row.id));
     assert!(ctl.kill("t", &row.id, "test").await.unwrap());
     assert!(matches!(
         ctl.get("t", &row.id).await.unwrap_err(),
         MasterError::NotFound(_)
     ));
-    let after = cube_master::sandbox_history::logs(&ctl, "t", q())
-        .await
-        .unwrap();
+    let after = ctl.sandbox_logs("t", q()).await.unwrap();
     assert_eq!(after.entries.len(), 1, "asked of its node after the kill");
-    let e = cube_master::sandbox_history::logs(&ctl, "other", q())
+    let e = ctl.sandbox_logs("other", q()).await.unwrap_err();
+    assert!(matches!(e, MasterError::NotFound(_)), "{e:?}");
+    let e = ctl
+        .sandbox_logs(
+            "t",
+            cube_proto::nodev1::SandboxLogsRequest {
+                sandbox_id: "nosuchsandbox".into(),
+                ..Default::default()
+            },
+        )
         .await
         .unwrap_err();
-    assert!(matches!(e, MasterError::NotFound(_)), "{e:?}");
-    let e = cube_master::sandbox_history::logs(
-        &ctl,
-        "t",
-        cube_proto::nodev1::SandboxLogsRequest {
-            sandbox_id: "nosuchsandbox".into(),
-            ..Default::default()
-        },
-    )
-    .await
-    .unwrap_err();
     assert!(matches!(e, MasterError::NotFound(_)), "{e:?}");
 }
 both_backends!(history, super::history_outlives_the_sandbox);
@@ -401,17 +396,20 @@ async fn strict_pause_needs_a_healthy_guest(url: String) {
         matches!(e, MasterError::Unavailable(ref m) if m.contains("does not answer")),
         "{e:?}"
     );
-    assert_eq!(ctl.get("t", &row.id).await.unwrap().state, "running");
+    assert_eq!(
+        ctl.get("t", &row.id).await.unwrap().state,
+        SandboxState::Running
+    );
     assert_eq!(node.pauses.load(std::sync::atomic::Ordering::SeqCst), 0);
     node.unhealthy.lock().unwrap().clear();
     let p = ctl.pause("t", &row.id, true).await.unwrap();
-    assert_eq!(p.state, "paused");
+    assert_eq!(p.state, SandboxState::Paused);
     // A plain pause of an unresponsive one goes ahead (E2B's default).
     let other = ctl.create(params(600)).await.unwrap();
     node.unhealthy.lock().unwrap().insert(other.id.clone());
     assert_eq!(
         ctl.pause("t", &other.id, false).await.unwrap().state,
-        "paused"
+        SandboxState::Paused
     );
 }
 both_backends!(strict_pause, super::strict_pause_needs_a_healthy_guest);

@@ -6,9 +6,9 @@
 mod common;
 
 use common::{controller, params, serve, FakeNode};
-use cube_master::service::{Controller, CreateParams, ListParams};
+use cube_master::ops::{Controller, CreateParams, ListParams};
 use cube_master::state::SandboxState;
-use cube_master::{MasterConfig, MasterError};
+use cube_master::{grpc, MasterConfig, MasterError};
 use cube_proto::master::v1 as pb;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -123,7 +123,7 @@ async fn registration_and_tokens(url: String) {
         ctl.create_join_token(365 * 24 * 3600).await,
         Err(MasterError::InvalidArgument(_))
     ));
-    let infos = ctl.node_infos();
+    let infos = grpc::node_infos(&ctl);
     assert_eq!(infos.len(), 1);
     let i = &infos[0];
     assert_eq!(
@@ -140,13 +140,13 @@ async fn registration_and_tokens(url: String) {
         ..Default::default()
     };
     let ctl2 = controller(&url, &[], cfg).await;
-    assert_eq!(ctl2.node_infos()[0].status, "not_ready");
+    assert_eq!(grpc::node_infos(&ctl2)[0].status, "not_ready");
     let h = ctl2
         .node_heartbeat(beat("n1", &r.node_secret))
         .await
         .unwrap();
     assert!(!h.reregister);
-    assert_eq!(ctl2.node_infos()[0].status, "ready");
+    assert_eq!(grpc::node_infos(&ctl2)[0].status, "ready");
 }
 both_backends!(registration, super::registration_and_tokens);
 
@@ -161,7 +161,7 @@ async fn open_registration(url: String) {
     ctl.register_node(reg("n2", "http://127.0.0.1:1", "cjt_stale", ""))
         .await
         .unwrap();
-    assert_eq!(ctl.node_infos().len(), 2);
+    assert_eq!(grpc::node_infos(&ctl).len(), 2);
 }
 both_backends!(registration_without_token, super::open_registration);
 
@@ -193,7 +193,7 @@ async fn until<F: std::future::Future<Output = bool>>(what: &str, mut f: impl Fn
 async fn until_not_ready(ctl: &Controller) {
     until("the silent node to be not ready", || async {
         ctl.check_nodes().await;
-        ctl.node_infos()[0].status == "not_ready"
+        grpc::node_infos(ctl)[0].status == "not_ready"
     })
     .await;
 }
@@ -216,7 +216,7 @@ async fn heartbeat_timeout(url: String) {
     until_not_ready(&ctl).await;
     for id in [&a.id, &b.id] {
         let r = ctl.get("t", id).await.unwrap();
-        assert_eq!(r.state, "lost", "{id}");
+        assert_eq!(r.state, SandboxState::Lost, "{id}");
         assert!(r.reason.contains("not ready"), "{}", r.reason);
     }
     let (lost, _) = ctl
@@ -242,7 +242,7 @@ async fn heartbeat_timeout(url: String) {
     // The node is back: the other is running again, the killed one is removed there.
     ctl.node_heartbeat(beat("hb", &secret)).await.unwrap();
     ctl.check_nodes().await;
-    assert_eq!(ctl.node_infos()[0].status, "ready");
+    assert_eq!(grpc::node_infos(&ctl)[0].status, "ready");
     let r = ctl.get("t", &a.id).await.unwrap();
     assert_eq!(
         (r.state.as_str(), r.reason.as_str()),
@@ -250,7 +250,7 @@ async fn heartbeat_timeout(url: String) {
     );
     assert_eq!(node.count(), 1);
     assert!(node.state_of(&a.id).is_some());
-    assert!(ctl.db.get_sandbox(&b.id).await.unwrap().unwrap().state == "killed");
+    assert!(ctl.db.get_sandbox(&b.id).await.unwrap().unwrap().state == SandboxState::Killed);
     assert_eq!(ctl.metrics.lost.get(), 2);
     // A node that comes back without its sandbox: failed, with the reason.
     until_not_ready(&ctl).await;
@@ -258,7 +258,7 @@ async fn heartbeat_timeout(url: String) {
     ctl.node_heartbeat(beat("hb", &secret)).await.unwrap();
     ctl.check_nodes().await;
     let r = ctl.db.get_sandbox(&a.id).await.unwrap().unwrap();
-    assert_eq!(r.state, "failed");
+    assert_eq!(r.state, SandboxState::Failed);
     assert!(r.reason.contains("no longer has"), "{}", r.reason);
 }
 both_backends!(heartbeat_timeout_marks_lost, super::heartbeat_timeout);
@@ -320,11 +320,14 @@ async fn periodic_reconcile(url: String) {
     }
     // Nothing happens before the interval has passed.
     ctl.check_nodes().await;
-    assert_eq!(ctl.get("t", &a.id).await.unwrap().state, "running");
+    assert_eq!(
+        ctl.get("t", &a.id).await.unwrap().state,
+        SandboxState::Running
+    );
     tokio::time::sleep(Duration::from_millis(60)).await;
     ctl.check_nodes().await;
     let r = ctl.db.get_sandbox(&a.id).await.unwrap().unwrap();
-    assert_eq!(r.state, "killed");
+    assert_eq!(r.state, SandboxState::Killed);
     assert!(
         r.reason.contains("gone: node rc no longer runs"),
         "{}",
@@ -338,8 +341,14 @@ async fn periodic_reconcile(url: String) {
         node.state_of("young1").is_some(),
         "a young sandbox was taken for an orphan"
     );
-    assert_eq!(ctl.get("t", &b.id).await.unwrap().state, "paused");
-    assert_eq!(ctl.get("t", &c.id).await.unwrap().state, "running");
+    assert_eq!(
+        ctl.get("t", &b.id).await.unwrap().state,
+        SandboxState::Paused
+    );
+    assert_eq!(
+        ctl.get("t", &c.id).await.unwrap().state,
+        SandboxState::Running
+    );
     assert_eq!(
         (ctl.metrics.gone.get(), ctl.metrics.orphans_killed.get()),
         (1, 1)
@@ -359,7 +368,10 @@ async fn periodic_reconcile(url: String) {
     assert!(node.state_of("young1").is_none() && node.state_of(&c.id).is_none());
     assert_eq!(node.count(), 1);
     assert_eq!(ctl.metrics.orphans_killed.get(), 3);
-    assert_eq!(ctl.get("t", &b.id).await.unwrap().state, "paused");
+    assert_eq!(
+        ctl.get("t", &b.id).await.unwrap().state,
+        SandboxState::Paused
+    );
 }
 both_backends!(
     periodic_reconcile_ends_gone_rows_and_kills_orphans,
@@ -385,13 +397,16 @@ async fn static_node_down_marks_lost(url: String) {
     .await;
     ctl.nodes.poll_once().await;
     ctl.check_nodes().await;
-    assert_eq!(ctl.get("t", &a.id).await.unwrap().state, "running");
+    assert_eq!(
+        ctl.get("t", &a.id).await.unwrap().state,
+        SandboxState::Running
+    );
     ctl.nodes.poll_once().await;
     ctl.check_nodes().await;
     let r = ctl.get("t", &a.id).await.unwrap();
-    assert_eq!(r.state, "lost");
+    assert_eq!(r.state, SandboxState::Lost);
     assert!(r.reason.contains("polls failed"), "{}", r.reason);
-    assert_eq!(ctl.node_infos()[0].origin, "static");
+    assert_eq!(grpc::node_infos(&ctl)[0].origin, "static");
 }
 both_backends!(static_node_down, super::static_node_down_marks_lost);
 
@@ -432,7 +447,7 @@ async fn cordon_skips_node(url: String) {
     ctl.set_cordon("small", false).await.unwrap();
     // The cordon survives a master restart.
     let ctl2 = controller(&url, &statics, MasterConfig::default()).await;
-    let infos = ctl2.node_infos();
+    let infos = grpc::node_infos(&ctl2);
     let by_id = |id: &str| infos.iter().find(|i| i.node_id == id).unwrap().cordoned;
     assert!(by_id("big"));
     assert!(!by_id("small"));
@@ -483,7 +498,7 @@ async fn drain(url: String) {
     }
     ctl.pause("t", &ids[0], false).await.unwrap();
     let r = ctl.drain_node("dr", false).await.unwrap();
-    assert!(r.node.unwrap().cordoned);
+    assert!(r.node.cordoned);
     assert_eq!(r.sandboxes.len(), 4);
     assert!(
         r.sandboxes.iter().all(|d| d.outcome == "paused"),
@@ -491,7 +506,7 @@ async fn drain(url: String) {
         r.sandboxes
     );
     for id in &ids {
-        assert_eq!(ctl.get("t", id).await.unwrap().state, "paused");
+        assert_eq!(ctl.get("t", id).await.unwrap().state, SandboxState::Paused);
     }
     // One pause each for the three running ones plus the earlier one.
     assert_eq!(node.pauses.load(Ordering::SeqCst), 4);

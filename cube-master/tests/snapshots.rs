@@ -3,11 +3,11 @@
 //! cubelets that really hold templates (a snapshot becomes a template on the node that took
 //! it). The real cubelet path is covered by tests/e2e/test_snapshots.py.
 
-use cube_master::db::Db;
-use cube_master::nodes::Nodes;
-use cube_master::service::{Controller, CreateParams};
-use cube_master::snapshots::Snapshots;
-use cube_master::{catalog, MasterConfig, MasterError};
+use cube_master::fleet::Nodes;
+use cube_master::ops::{Controller, CreateParams};
+use cube_master::state::SandboxState;
+use cube_master::store::Db;
+use cube_master::{grpc, MasterConfig, MasterError};
 use cube_proto::master::v1 as mpb;
 use cube_proto::nodev1 as pb;
 use cube_proto::nodev1::node_server::{Node, NodeServer};
@@ -353,13 +353,15 @@ async fn create_from_snapshot_is_pinned_to_its_node() {
     let src = ctl.create(params("t", "base")).await.unwrap();
     assert_eq!(src.node_id, "b", "ordinary creates go to the emptier node");
     // Snapshot it on `b`, then load `b` so that the scheduler would now pick `a`.
-    let snaps = Snapshots { ctl: &ctl };
-    let s = snaps.snapshot("t", &src.id, "my-snap").await.unwrap();
+    let s = ctl.snapshot("t", &src.id, "my-snap").await.unwrap();
     assert!(s.id.starts_with('s') && s.id.len() == 20, "{}", s.id);
     assert_eq!(s.node_id, "b");
     assert_eq!(s.sandbox_id, src.id);
-    assert_eq!(s.info().names, vec![s.id.clone(), "my-snap".to_string()]);
-    assert!(s.info().filesystem_only);
+    assert_eq!(
+        grpc::snapshot_info(&s).names,
+        vec![s.id.clone(), "my-snap".to_string()]
+    );
+    assert!(grpc::snapshot_info(&s).filesystem_only);
     assert!(b.holds(&s.id) && !a.holds(&s.id));
     for _ in 0..6 {
         b.sandboxes
@@ -399,7 +401,7 @@ async fn create_from_snapshot_is_pinned_to_its_node() {
             .insert("z".into(), "base".into());
         let addr = serve(full.clone()).await;
         let (c, d) = controller(&[addr, addr_a.clone()]).await;
-        c.db.insert_snapshot(&cube_master::snapshots::SnapshotRow {
+        c.db.insert_snapshot(&cube_master::store::snapshots::SnapshotRow {
             id: "sfull".into(),
             name: String::new(),
             team_id: "t".into(),
@@ -430,31 +432,30 @@ fn rand_suffix() -> u64 {
 async fn list_paging_filters_and_delete_in_use() {
     let a = FakeNode::new("a", 100);
     let (ctl, _d) = controller(&[serve(a.clone()).await]).await;
-    let snaps = Snapshots { ctl: &ctl };
     let s1 = ctl.create(params("t", "base")).await.unwrap();
     let s2 = ctl.create(params("t", "base")).await.unwrap();
     let other = ctl.create(params("u", "base")).await.unwrap();
     let mut ids = Vec::new();
     for (sb, name) in [(&s1, "one"), (&s1, ""), (&s2, "two")] {
-        ids.push(snaps.snapshot("t", &sb.id, name).await.unwrap().id);
+        ids.push(ctl.snapshot("t", &sb.id, name).await.unwrap().id);
         tokio::time::sleep(std::time::Duration::from_millis(3)).await;
     }
-    let theirs = snaps.snapshot("u", &other.id, "").await.unwrap();
+    let theirs = ctl.snapshot("u", &other.id, "").await.unwrap();
     // Bad names and other teams' sandboxes are refused before the node is asked.
     assert!(matches!(
-        snaps.snapshot("t", &s1.id, "Bad Name").await,
+        ctl.snapshot("t", &s1.id, "Bad Name").await,
         Err(MasterError::InvalidArgument(_))
     ));
     assert!(matches!(
-        snaps.snapshot("t", &other.id, "").await,
+        ctl.snapshot("t", &other.id, "").await,
         Err(MasterError::NotFound(_))
     ));
     // Paging: newest first, one per page, the team's own only.
     let mut seen = Vec::new();
     let mut token = String::new();
     loop {
-        let (rows, next) = snaps
-            .list(&mpb::ListSnapshotsRequest {
+        let (rows, next) = ctl
+            .list_snapshots(&mpb::ListSnapshotsRequest {
                 team_id: "t".into(),
                 limit: 1,
                 next_token: token.clone(),
@@ -473,7 +474,7 @@ async fn list_paging_filters_and_delete_in_use() {
     want.reverse();
     assert_eq!(seen, want);
     assert!(!seen.contains(&theirs.id));
-    let sr = &snaps;
+    let sr = &ctl;
     let by_sb = |sid: &str, name: &str| {
         let r = mpb::ListSnapshotsRequest {
             team_id: "t".into(),
@@ -482,7 +483,7 @@ async fn list_paging_filters_and_delete_in_use() {
             ..Default::default()
         };
         async move {
-            sr.list(&r)
+            sr.list_snapshots(&r)
                 .await
                 .unwrap()
                 .0
@@ -496,8 +497,8 @@ async fn list_paging_filters_and_delete_in_use() {
         by_sb("", "two").await,
         [ids[2].clone()].into_iter().collect()
     );
-    assert!(snaps
-        .list(&mpb::ListSnapshotsRequest {
+    assert!(ctl
+        .list_snapshots(&mpb::ListSnapshotsRequest {
             team_id: "t".into(),
             next_token: "garbage".into(),
             ..Default::default()
@@ -507,16 +508,16 @@ async fn list_paging_filters_and_delete_in_use() {
 
     // Deleting a snapshot that live sandboxes came from is refused, and leaves it usable.
     let child = ctl.create(params("t", "one")).await.unwrap();
-    let e = snaps.delete("t", &ids[0]).await.unwrap_err();
+    let e = ctl.delete_snapshot("t", &ids[0]).await.unwrap_err();
     assert!(matches!(e, MasterError::FailedPrecondition(_)), "{e}");
     assert!(a.holds(&ids[0]));
     // Another team's delete does not find it.
-    assert!(!snaps.delete("u", &ids[0]).await.unwrap());
+    assert!(!ctl.delete_snapshot("u", &ids[0]).await.unwrap());
     assert!(ctl.kill("t", &child.id, "test").await.unwrap());
     // By name this time; the build goes from the node and the row from the list.
-    assert!(snaps.delete("t", "one").await.unwrap());
+    assert!(ctl.delete_snapshot("t", "one").await.unwrap());
     assert!(!a.holds(&ids[0]));
-    assert!(!snaps.delete("t", &ids[0]).await.unwrap());
+    assert!(!ctl.delete_snapshot("t", &ids[0]).await.unwrap());
     assert!(matches!(
         ctl.create(params("t", &ids[0])).await,
         Err(MasterError::NotFound(_))
@@ -534,18 +535,17 @@ async fn fork_snapshots_once_and_creates_count() {
     let mut p = params("t", "base");
     p.metadata.insert("k".into(), "v".into());
     let src = ctl.create(p).await.unwrap();
-    let snaps = Snapshots { ctl: &ctl };
     // Out-of-range asks leave nothing behind.
     assert!(matches!(
-        snaps.fork("t", &src.id, 21, 0).await,
+        ctl.fork("t", &src.id, 21, 0).await,
         Err(MasterError::InvalidArgument(_))
     ));
     assert!(matches!(
-        snaps.fork("t", &src.id, 2, 10 * 24 * 3600).await,
+        ctl.fork("t", &src.id, 2, 10 * 24 * 3600).await,
         Err(MasterError::InvalidArgument(_))
     ));
     assert!(matches!(
-        snaps.fork("t", "inope", 2, 0).await,
+        ctl.fork("t", "inope", 2, 0).await,
         Err(MasterError::NotFound(_))
     ));
     assert_eq!(
@@ -553,7 +553,7 @@ async fn fork_snapshots_once_and_creates_count() {
         1,
         "no snapshot was taken"
     );
-    let (snap, results) = snaps.fork("t", &src.id, 2, 120).await.unwrap();
+    let (snap, results) = ctl.fork("t", &src.id, 2, 120).await.unwrap();
     assert_eq!(results.len(), 2);
     let kids: Vec<_> = results.into_iter().map(|r| r.unwrap()).collect();
     assert_ne!(kids[0].id, kids[1].id);
@@ -565,15 +565,16 @@ async fn fork_snapshots_once_and_creates_count() {
     }
     assert_eq!(a.sandboxes_of(&snap.id), 2);
     // The source keeps running.
-    assert_eq!(ctl.get("t", &src.id).await.unwrap().state, "running");
+    assert_eq!(
+        ctl.get("t", &src.id).await.unwrap().state,
+        SandboxState::Running
+    );
 
     // Metrics come from the sandbox's node; unknown ids are 404s.
-    let m = cube_master::sandbox_metrics::stats(&ctl, "t", &kids[0].id)
-        .await
-        .unwrap();
+    let m = ctl.sandbox_stats("t", &kids[0].id).await.unwrap();
     assert_eq!((m.cpu_count, m.cpu_used_pct), (2, 50.0));
     assert!(matches!(
-        cube_master::sandbox_metrics::stats(&ctl, "u", &kids[0].id).await,
+        ctl.sandbox_stats("u", &kids[0].id).await,
         Err(MasterError::NotFound(_))
     ));
 }
@@ -595,12 +596,9 @@ async fn catalog_lists_builds_and_deletes_across_nodes() {
     ];
     let (ctl, _d) = controller(&addrs).await;
     let src = ctl.create(params("t", "base")).await.unwrap();
-    let snap = Snapshots { ctl: &ctl }
-        .snapshot("t", &src.id, "")
-        .await
-        .unwrap();
+    let snap = ctl.snapshot("t", &src.id, "").await.unwrap();
 
-    let list = catalog::list(&ctl).await.unwrap();
+    let list = ctl.list_templates().await.unwrap();
     let base = list.iter().find(|t| t.name == "base").unwrap();
     assert_eq!(
         base.node_ids.iter().cloned().collect::<BTreeSet<_>>(),
@@ -610,9 +608,9 @@ async fn catalog_lists_builds_and_deletes_across_nodes() {
     let st = list.iter().find(|t| t.name == snap.id).unwrap();
     assert_eq!(st.snapshot_id, snap.id);
     assert_eq!(st.node_ids, vec![snap.node_id.clone()]);
-    assert_eq!(catalog::get(&ctl, "base").await.unwrap().len(), 1);
+    assert_eq!(ctl.get_template("base").await.unwrap().len(), 1);
     assert!(matches!(
-        catalog::get(&ctl, "nope").await,
+        ctl.get_template("nope").await,
         Err(MasterError::NotFound(_))
     ));
 
@@ -625,18 +623,16 @@ async fn catalog_lists_builds_and_deletes_across_nodes() {
         )),
         extra_mib: 0,
     };
-    let events: Vec<mpb::BuildTemplateEvent> = catalog::build(
-        &ctl,
-        mpb::BuildTemplateRequest {
+    let events: Vec<mpb::BuildTemplateEvent> = ctl
+        .build_template(mpb::BuildTemplateRequest {
             recipe: Some(recipe.clone()),
             node_id: String::new(),
-        },
-    )
-    .await
-    .unwrap()
-    .map(|e| e.unwrap())
-    .collect()
-    .await;
+        })
+        .await
+        .unwrap()
+        .map(|e| e.unwrap())
+        .collect()
+        .await;
     let mut verdicts: BTreeMap<String, String> = BTreeMap::new();
     for e in &events {
         if e.kind == "done" || e.kind == "error" {
@@ -661,20 +657,18 @@ async fn catalog_lists_builds_and_deletes_across_nodes() {
         .any(|e| e.node_id == "bad" && e.message.contains("mkfs.ext4 missing")));
     assert!(events.iter().any(|e| e.node_id == "a" && e.kind == "phase"));
     // One node only.
-    let one: Vec<_> = catalog::build(
-        &ctl,
-        mpb::BuildTemplateRequest {
+    let one: Vec<_> = ctl
+        .build_template(mpb::BuildTemplateRequest {
             recipe: Some(pb::ImportTemplateRequest {
                 name: "solo".into(),
                 ..recipe.clone()
             }),
             node_id: "b".into(),
-        },
-    )
-    .await
-    .unwrap()
-    .collect()
-    .await;
+        })
+        .await
+        .unwrap()
+        .collect()
+        .await;
     assert!(one.iter().all(|e| e.as_ref().unwrap().node_id == "b"));
     assert!(b.holds("solo") && !a.holds("solo"));
     // Bad requests fail before any node is asked.
@@ -690,28 +684,25 @@ async fn catalog_lists_builds_and_deletes_across_nodes() {
         },
     ] {
         assert!(matches!(
-            catalog::build(&ctl, req).await,
+            ctl.build_template(req).await,
             Err(MasterError::InvalidArgument(_))
         ));
     }
     assert!(matches!(
-        catalog::build(
-            &ctl,
-            mpb::BuildTemplateRequest {
-                recipe: Some(recipe),
-                node_id: "ghost".into(),
-            }
-        )
+        ctl.build_template(mpb::BuildTemplateRequest {
+            recipe: Some(recipe),
+            node_id: "ghost".into(),
+        })
         .await,
         Err(MasterError::NotFound(_))
     ));
 
     // Deleting a template goes to the nodes the poll says hold it; a snapshot id goes
     // through the snapshot path (its row too).
-    assert!(catalog::delete(&ctl, "nope").await.is_err());
+    assert!(ctl.delete_template("nope").await.is_err());
     assert!(ctl.kill("t", &src.id, "test").await.unwrap());
-    assert_eq!(catalog::delete(&ctl, "base").await.unwrap(), 2);
+    assert_eq!(ctl.delete_template("base").await.unwrap(), 2);
     assert!(!a.holds("base") && !b.holds("base"));
-    assert_eq!(catalog::delete(&ctl, &snap.id).await.unwrap(), 1);
+    assert_eq!(ctl.delete_template(&snap.id).await.unwrap(), 1);
     assert!(ctl.db.get_snapshot(&snap.id).await.unwrap().is_none());
 }

@@ -7,10 +7,10 @@
 mod common;
 
 use common::{params, FakeNode, TestDb};
-use cube_master::db::SandboxRow;
 use cube_master::error::MasterError;
-use cube_master::service::Controller;
+use cube_master::ops::Controller;
 use cube_master::state::SandboxState;
+use cube_master::store::SandboxRow;
 use cube_master::MasterConfig;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -71,16 +71,16 @@ async fn assert_consistent(ctl: &Controller, node: &FakeNode, live: &BTreeSet<St
         .expect("rows");
     let creating: Vec<_> = rows
         .iter()
-        .filter(|r| r.state == "creating")
+        .filter(|r| r.state == SandboxState::Creating)
         .map(|r| r.id.clone())
         .collect();
     assert!(creating.is_empty(), "rows left creating: {creating:?}");
-    for r in rows.iter().filter(|r| r.state == "failed") {
+    for r in rows.iter().filter(|r| r.state == SandboxState::Failed) {
         assert!(!r.reason.is_empty(), "failed row {} without a reason", r.id);
     }
     let running: BTreeSet<String> = rows
         .iter()
-        .filter(|r| r.state == "running")
+        .filter(|r| r.state == SandboxState::Running)
         .map(|r| r.id.clone())
         .collect();
     let missing: Vec<_> = live.difference(&running).collect();
@@ -131,7 +131,7 @@ async fn sqlite_held_by_another_writer() {
     let started = Instant::now();
     for r in creates(&ctl, 4).await {
         let row = r.expect("a create waits out a short lock");
-        assert_eq!(row.state, "running");
+        assert_eq!(row.state, SandboxState::Running);
         live.insert(row.id);
     }
     assert!(started.elapsed() >= Duration::from_millis(1200));

@@ -6,10 +6,11 @@
 mod common;
 
 use common::{Cubelet, Opts};
-use cube_master::db::Db;
-use cube_master::nodes::Nodes;
-use cube_master::server::MasterService;
-use cube_master::service::{Controller, CreateParams};
+use cube_master::fleet::Nodes;
+use cube_master::grpc::{self, MasterService};
+use cube_master::ops::{Controller, CreateParams};
+use cube_master::state::SandboxState;
+use cube_master::store::Db;
 use cube_master::MasterConfig;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -24,7 +25,7 @@ async fn until<F: Fn() -> bool>(what: &str, secs: u64, f: F) {
 
 async fn state(ctl: &Controller, id: &str) -> (String, String) {
     let r = ctl.db.get_sandbox(id).await.unwrap().unwrap();
-    (r.state, r.reason)
+    (r.state.to_string(), r.reason)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -73,12 +74,12 @@ async fn cubelet_registers_heartbeats_and_is_reconciled() {
     c.start().await;
     // Registered, and its first heartbeat delivered the templates.
     let ready_with_mini = |ctl: &Controller| {
-        ctl.node_infos()
+        grpc::node_infos(ctl)
             .iter()
             .any(|n| n.status == "ready" && n.templates.iter().any(|t| t == "mini"))
     };
     until("node registered and ready", 20, || ready_with_mini(&ctl)).await;
-    let info = ctl.node_infos().remove(0);
+    let info = grpc::node_infos(&ctl).remove(0);
     assert_eq!(info.origin, "registered");
     assert_eq!(info.address, c.grpc);
     assert!(info.vcpus > 0 && info.memory_mib > 0, "{info:?}");
@@ -94,7 +95,7 @@ async fn cubelet_registers_heartbeats_and_is_reconciled() {
         .await
         .unwrap_or_else(|e| panic!("create through the master: {e}\n{}", c.log()));
     assert_eq!(sb.node_id, info.node_id);
-    assert_eq!(sb.state, "running");
+    assert_eq!(sb.state, SandboxState::Running);
 
     // Drain pauses it and reports it.
     let d = ctl.drain_node(&info.node_id, false).await.unwrap();
@@ -115,7 +116,7 @@ async fn cubelet_registers_heartbeats_and_is_reconciled() {
         assert!(t.elapsed() < Duration::from_secs(30), "not lost: {s}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    assert_eq!(ctl.node_infos()[0].status, "not_ready");
+    assert_eq!(grpc::node_infos(&ctl)[0].status, "not_ready");
 
     // It comes back; the join token is spent, the saved secret lets it in again, and the
     // re-adopted sandbox is paused again in the master.

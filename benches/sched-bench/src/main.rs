@@ -2,7 +2,8 @@
 //! (default 1,000; target ≤ 1 ms).
 //!
 //! Two measurements of the real code:
-//! * `rank` — the pure scheduler function (`cube_master::scheduler::rank`) over node views;
+//! * `rank` — the pure scheduler function (`cube_master::fleet::scheduler::rank`) over node
+//!   views;
 //! * `place` — what a create does: `Nodes::place` (registry lock, views, rank, the best
 //!   candidates copied out, in-flight accounting) over registered nodes fed by heartbeats.
 //!
@@ -13,8 +14,8 @@
 
 use anyhow::Context;
 use clap::Parser;
-use cube_master::nodes::{Beat, Nodes, Registration};
-use cube_master::scheduler::{self, NodeView, Request};
+use cube_master::fleet::scheduler::{self, NodeView, Request};
+use cube_master::fleet::{Beat, Nodes, Registration};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::path::PathBuf;

@@ -2,9 +2,13 @@
 //! periodic NodeStatus poll, NotReady after `node_max_misses` failures in a row) and registered
 //! ones (health from heartbeats, NotReady after `node_max_misses` heartbeat intervals without
 //! one). What must survive a restart (identity, cordon, secret hash) is in the `nodes` table;
-//! [`crate::lifecycle`] keeps the two in step and turns health changes into sandbox states.
+//! [`crate::ops::lifecycle`] keeps the two in step and turns health changes into sandbox states.
+//! Placement itself is the pure [`scheduler`](crate::fleet::scheduler), over views of these
+//! nodes.
 
-use crate::scheduler::{self, NoFit, NodeView};
+pub mod scheduler;
+
+use self::scheduler::{NoFit, NodeView};
 use cube_proto::nodev1::node_client::NodeClient;
 use cube_proto::nodev1::{Capacity, NodeStatusRequest, NodeStatusResponse};
 use cube_proto::retry::Retrying;
@@ -53,7 +57,7 @@ pub struct Node {
     /// `health == Ready`, kept as a field for callers that only need the bit.
     pub ready: bool,
     pub health: Health,
-    /// The last health [`crate::lifecycle`] acted on (marking sandboxes lost, reconciling).
+    /// The last health [`crate::ops::lifecycle`] acted on (marking sandboxes lost, reconciling).
     pub handled: Health,
     /// When its sandboxes were last reconciled completely (unix ms; 0 = not yet).
     pub reconciled_ms: i64,
@@ -208,6 +212,20 @@ pub struct Beat {
     pub templates: Vec<String>,
     pub disk_free_mib: u64,
     pub free_memory_mib: u64,
+}
+
+/// Nodes that can take a sandbox of `template`, best first (a convenience over
+/// [`scheduler::rank`] for callers holding a node list).
+pub fn candidates(nodes: &[Node], template: &str) -> Result<Vec<Node>, NoFit> {
+    let views: Vec<NodeView<'_>> = nodes.iter().map(Node::view).collect();
+    let order = scheduler::rank(
+        &views,
+        &scheduler::Request {
+            template,
+            memory_mib: 0,
+        },
+    )?;
+    Ok(order.into_iter().map(|i| nodes[i].clone()).collect())
 }
 
 /// Nodes a create tries at most (the best first, then fail-over to the next ones).

@@ -3,8 +3,6 @@
 //! free memory, spread by in-flight creates). No I/O, no locks: `benches/sched-bench` times
 //! exactly this code.
 
-use crate::nodes::Node;
-
 /// Why no node fits.
 #[derive(Debug, PartialEq, Eq)]
 pub enum NoFit {
@@ -107,20 +105,6 @@ fn score(n: &NodeView<'_>, req: &Request<'_>) -> Option<f64> {
         0.0
     };
     Some(W_WARM * warm + W_SLOTS * slots + W_MEMORY * memory)
-}
-
-/// Nodes that can take a sandbox of `template`, best first (a convenience over [`rank`] for
-/// callers holding a node list).
-pub fn candidates(nodes: &[Node], template: &str) -> Result<Vec<Node>, NoFit> {
-    let views: Vec<NodeView<'_>> = nodes.iter().map(Node::view).collect();
-    let order = rank(
-        &views,
-        &Request {
-            template,
-            memory_mib: 0,
-        },
-    )?;
-    Ok(order.into_iter().map(|i| nodes[i].clone()).collect())
 }
 
 #[cfg(test)]

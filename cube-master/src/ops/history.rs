@@ -1,26 +1,17 @@
 //! A sandbox's metrics history and log, kept by its node (`journal` in cubelet): asked of the
 //! node it ran on last, also after it ended (within that node's retention).
 
+use super::Controller;
 use crate::error::MasterError;
-use crate::service::Controller;
+use crate::fleet::Node;
 use cube_proto::nodev1 as node;
 use std::time::Duration;
 
 /// The node's answer must come quickly: these are reads of its memory.
 const NODE_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// The node a sandbox of this team ran on last, whatever its state now.
-async fn node_of(
-    ctl: &Controller,
-    team: &str,
-    id: &str,
-) -> Result<crate::nodes::Node, MasterError> {
-    let row = ctl.any_state(team, id).await?;
-    ctl.node_of(&row)
-}
-
 async fn ask<T>(
-    n: &crate::nodes::Node,
+    n: &Node,
     what: &str,
     id: &str,
     fut: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
@@ -41,24 +32,32 @@ async fn ask<T>(
     }
 }
 
-pub async fn metrics(
-    ctl: &Controller,
-    team: &str,
-    q: node::SandboxMetricsRequest,
-) -> Result<node::SandboxMetricsResponse, MasterError> {
-    let n = node_of(ctl, team, &q.sandbox_id).await?;
-    let id = q.sandbox_id.clone();
-    let mut c = n.client.clone();
-    ask(&n, "metrics", &id, c.sandbox_metrics(q)).await
-}
+impl Controller {
+    /// The node a sandbox of this team ran on last, whatever its state now.
+    async fn last_node_of(&self, team: &str, id: &str) -> Result<Node, MasterError> {
+        let row = self.any_state(team, id).await?;
+        self.node_of(&row)
+    }
 
-pub async fn logs(
-    ctl: &Controller,
-    team: &str,
-    q: node::SandboxLogsRequest,
-) -> Result<node::SandboxLogsResponse, MasterError> {
-    let n = node_of(ctl, team, &q.sandbox_id).await?;
-    let id = q.sandbox_id.clone();
-    let mut c = n.client.clone();
-    ask(&n, "logs", &id, c.sandbox_logs(q)).await
+    pub async fn sandbox_metrics_history(
+        &self,
+        team: &str,
+        q: node::SandboxMetricsRequest,
+    ) -> Result<node::SandboxMetricsResponse, MasterError> {
+        let n = self.last_node_of(team, &q.sandbox_id).await?;
+        let id = q.sandbox_id.clone();
+        let mut c = n.client.clone();
+        ask(&n, "metrics", &id, c.sandbox_metrics(q)).await
+    }
+
+    pub async fn sandbox_logs(
+        &self,
+        team: &str,
+        q: node::SandboxLogsRequest,
+    ) -> Result<node::SandboxLogsResponse, MasterError> {
+        let n = self.last_node_of(team, &q.sandbox_id).await?;
+        let id = q.sandbox_id.clone();
+        let mut c = n.client.clone();
+        ask(&n, "logs", &id, c.sandbox_logs(q)).await
+    }
 }

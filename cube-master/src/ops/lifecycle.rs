@@ -7,11 +7,11 @@
 //! runs is ended (`killed`, with the reason), and a sandbox no row claims is killed once it is
 //! older than `orphan_grace_ms` (so an in-flight create is never taken for one).
 
+use super::{node_end, Controller};
 use crate::error::MasterError;
-use crate::node_store::{NodeRow, TokenRefusal};
-use crate::nodes::{self, Beat, Health, Node, Origin, Registration};
-use crate::service::Controller;
+use crate::fleet::{self, Beat, Health, Node, Origin, Registration};
 use crate::state::SandboxState;
+use crate::store::nodes::{NodeRow, TokenRefusal};
 use cube_proto::master::v1 as pb;
 use cube_proto::nodev1 as node;
 use futures_util::StreamExt;
@@ -61,34 +61,12 @@ fn node_not_found(key: &str) -> MasterError {
     MasterError::NotFound(format!("node {key:?} not found"))
 }
 
-/// The NodeInfo of an in-memory node.
-pub fn node_info(n: &Node) -> pb::NodeInfo {
-    let s = n.status.clone().unwrap_or_default();
-    let cap = s.capacity.unwrap_or_default();
-    pb::NodeInfo {
-        node_id: n.id(),
-        address: n.address.clone(),
-        status: if n.ready { "ready" } else { "not_ready" }.into(),
-        runtime: s.runtime,
-        sandboxes: s.sandboxes,
-        templates: s.templates,
-        max_sandboxes: cap.max_sandboxes,
-        cordoned: n.cordoned,
-        version: s.version,
-        kvm_kind: s.kvm_kind,
-        vcpus: cap.vcpus,
-        memory_mib: cap.memory_mib,
-        disk_free_mib: cap.disk_free_mib,
-        last_seen_ms: n.last_seen_ms,
-        origin: n.origin.as_str().into(),
-    }
+/// What a drain did: the node (cordoned) and the outcome for each of its sandboxes.
+#[derive(Debug, Clone)]
+pub struct Drained {
+    pub node: Node,
+    pub sandboxes: Vec<pb::DrainedSandbox>,
 }
-
-/// The reason a create cut short by its master's end is failed with.
-pub const INTERRUPTED_CREATE: &str = "create interrupted: the master restarted before it finished";
-/// Why the reaper fails a create whose end went unrecorded.
-pub const UNRECORDED_CREATE: &str =
-    "create failed: its outcome could not be recorded (the database was unavailable)";
 
 impl Controller {
     /// Creates a one-time join token; only its hash is stored.
@@ -124,7 +102,7 @@ impl Controller {
                 r.node_id
             )));
         }
-        nodes::check_address(&r.address)?;
+        fleet::check_address(&r.address)?;
         for (f, v) in [
             ("address", &r.address),
             ("version", &r.version),
@@ -277,8 +255,8 @@ impl Controller {
         })
     }
 
-    /// Cordons or uncordons a node (by id or address).
-    pub async fn set_cordon(&self, key: &str, cordoned: bool) -> Result<pb::NodeInfo, MasterError> {
+    /// Cordons or uncordons a node (by id or address); returns it as it is now.
+    pub async fn set_cordon(&self, key: &str, cordoned: bool) -> Result<Node, MasterError> {
         let n = self.nodes.find(key).ok_or_else(|| node_not_found(key))?;
         let id = n.id();
         if n.origin == Origin::Static {
@@ -294,17 +272,13 @@ impl Controller {
             })
             .ok_or_else(|| node_not_found(key))?;
         tracing::info!(node = %id, cordoned, "node cordon changed");
-        Ok(node_info(&n))
+        Ok(n)
     }
 
     /// Cordons a node, then pauses (or kills) every sandbox on it and reports each.
-    pub async fn drain_node(
-        &self,
-        key: &str,
-        kill: bool,
-    ) -> Result<pb::DrainNodeResponse, MasterError> {
-        let info = self.set_cordon(key, true).await?;
-        let id = info.node_id.clone();
+    pub async fn drain_node(&self, key: &str, kill: bool) -> Result<Drained, MasterError> {
+        let cordoned = self.set_cordon(key, true).await?;
+        let id = cordoned.id();
         let mut seen: HashSet<String> = HashSet::new();
         let mut out: Vec<pb::DrainedSandbox> = Vec::new();
         // Creates that were already past scheduling land after the first listing: look again
@@ -328,7 +302,7 @@ impl Controller {
                             Ok(_) => Ok("killed"),
                             Err(e) => Err(e),
                         }
-                    } else if r.state == SandboxState::Paused.as_str() {
+                    } else if r.state == SandboxState::Paused {
                         Ok("paused")
                     } else {
                         match self.pause("", &sid, false).await {
@@ -366,17 +340,17 @@ impl Controller {
         out.sort_by(|a, b| a.sandbox_id.cmp(&b.sandbox_id));
         let errors = out.iter().filter(|d| d.outcome == "error").count();
         tracing::info!(node = %id, kill, sandboxes = out.len(), errors, "node drained");
-        let node = self.nodes.find(&id).map(|n| node_info(&n)).unwrap_or(info);
-        Ok(pb::DrainNodeResponse {
-            node: Some(node),
+        let node = self.nodes.find(&id).unwrap_or(cordoned);
+        Ok(Drained {
+            node,
             sandboxes: out,
         })
     }
 
     /// All nodes, sorted by id.
-    pub fn node_infos(&self) -> Vec<pb::NodeInfo> {
-        let mut v: Vec<pb::NodeInfo> = self.nodes.snapshot().iter().map(node_info).collect();
-        v.sort_by(|a, b| a.node_id.cmp(&b.node_id));
+    pub fn nodes_by_id(&self) -> Vec<Node> {
+        let mut v = self.nodes.snapshot();
+        v.sort_by_key(|n| n.id());
         v
     }
 
@@ -505,10 +479,7 @@ impl Controller {
                 continue;
             };
             let st = match self.db.get_sandbox(&r.id).await {
-                Ok(Some(row)) => match row.state() {
-                    Ok(s) => s,
-                    Err(_) => continue,
-                },
+                Ok(Some(row)) => row.state,
                 Ok(None) => continue,
                 Err(_) => {
                     complete = false;
@@ -536,50 +507,6 @@ impl Controller {
             tracing::warn!(node = %id, sandboxes = lost, "sandboxes of a not-ready node marked lost");
         }
         complete
-    }
-
-    /// At start, before serving: a row still `creating` was begun by a master that is gone
-    /// (this one has begun none yet) and can never finish, so it becomes `failed` with the
-    /// reason. Its node's half goes with the next reconcile (the sandbox of a terminal row is
-    /// killed), and a retry under its idempotency key goes ahead as a new create rather than
-    /// waiting for one that will not end. One leading master per database is assumed.
-    pub async fn fail_interrupted_creates(&self) -> Result<usize, MasterError> {
-        // A key claimed by a create that died before recording its sandbox has no row to
-        // answer with: a retry under it would wait for that create forever.
-        let keys = self
-            .db
-            .release_unrecorded_idempotency_keys(crate::now_ms() + 1)
-            .await?;
-        if keys > 0 {
-            tracing::warn!(
-                keys,
-                "released idempotency keys of creates that never recorded a sandbox"
-            );
-        }
-        self.fail_unowned_creates(INTERRUPTED_CREATE).await
-    }
-
-    /// Fails each `creating` row that no create of this master is working on (a create holds
-    /// the sandbox's lock from before it inserts the row until it has recorded its end): its
-    /// create died with an earlier master, or could not record its outcome because the
-    /// database was away. Run at start and by the reaper.
-    pub async fn fail_unowned_creates(&self, reason: &str) -> Result<usize, MasterError> {
-        let mut n = 0;
-        for r in self.db.list_in_states(&[SandboxState::Creating]).await? {
-            let lock = self.lock_for(&r.id);
-            let Ok(_g) = lock.try_lock() else {
-                continue;
-            };
-            if self
-                .db
-                .transition(&r.id, SandboxState::Creating, SandboxState::Failed, reason)
-                .await?
-            {
-                tracing::warn!(sandbox = %r.id, node = %r.node_id, "{reason}");
-                n += 1;
-            }
-        }
-        Ok(n)
     }
 
     /// Brings the master's view of a node that is Ready (again) in line with what it runs.
@@ -615,7 +542,7 @@ impl Controller {
             listed.iter().map(|s| (s.sandbox_id.as_str(), s)).collect();
         let mut complete = true;
         for r in &rows {
-            let Ok(st) = r.state() else { continue };
+            let st = r.state;
             // Each step a transition: a lost sandbox back (or failed), a running or paused one
             // the node no longer runs ended through killing.
             let steps: Vec<(SandboxState, SandboxState, String)> =
@@ -672,7 +599,7 @@ impl Controller {
                 continue;
             };
             let running = s.state == node::SandboxState::Running as i32;
-            let want = crate::service::node_end(r, r.end_at_ms);
+            let want = node_end(r, r.end_at_ms);
             if !running || i64::try_from(s.end_at_ms).ok() == Some(want) {
                 continue;
             }
@@ -682,10 +609,8 @@ impl Controller {
                 continue;
             };
             if let Ok(Some(fresh)) = self.db.get_sandbox(&r.id).await {
-                let end = crate::service::node_end(&fresh, fresh.end_at_ms);
-                if matches!(fresh.state(), Ok(SandboxState::Running))
-                    && !self.tell_end(n, &fresh.id, end).await
-                {
+                let end = node_end(&fresh, fresh.end_at_ms);
+                if fresh.state == SandboxState::Running && !self.tell_end(n, &fresh.id, end).await {
                     complete = false;
                 }
             }
@@ -695,7 +620,7 @@ impl Controller {
         let now = crate::now_ms();
         for s in &listed {
             let dead = match self.db.get_sandbox(&s.sandbox_id).await {
-                Ok(Some(row)) => row.state().map(|x| x.is_terminal()).unwrap_or(false),
+                Ok(Some(row)) => row.state.is_terminal(),
                 Ok(None) => {
                     let age_ms = now - i64::try_from(s.created_at_ms).unwrap_or(0);
                     let orphan = age_ms >= self.cfg.orphan_grace_ms as i64;

@@ -3,15 +3,15 @@
 //! row per snapshot to know its team, its optional name and, above all, its node: a create
 //! from a snapshot is pinned to that node instead of going through the template filter.
 
-use crate::db::Db;
+use super::{Controller, CreateParams};
 use crate::error::MasterError;
-use crate::nodes::Node;
-use crate::scheduler::{self, NoFit};
-use crate::service::{Controller, CreateParams};
+use crate::fleet::scheduler::{self, NoFit};
+use crate::fleet::Node;
 use crate::state::SandboxState;
+use crate::store::snapshots::SnapshotRow;
+use crate::store::SandboxRow;
 use cube_proto::master::v1 as pb;
 use cube_proto::nodev1 as node;
-use sqlx::FromRow;
 use std::time::Duration;
 
 /// How long a node may take to snapshot a sandbox (flush + reflink + manifest).
@@ -20,40 +20,6 @@ const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(120);
 const DEFAULT_FORK_TIMEOUT_S: u64 = 300;
 /// Most sandboxes one fork may create (E2B's limit).
 pub const MAX_FORK_COUNT: u32 = 20;
-
-/// One snapshot row.
-#[derive(Debug, Clone, FromRow, PartialEq, Eq)]
-pub struct SnapshotRow {
-    pub id: String,
-    pub name: String,
-    pub team_id: String,
-    pub sandbox_id: String,
-    pub node_id: String,
-    pub template: String,
-    pub build: String,
-    pub filesystem_only: i64,
-    pub created_at_ms: i64,
-}
-
-impl SnapshotRow {
-    pub fn info(&self) -> pb::SnapshotInfo {
-        let mut names = vec![self.id.clone()];
-        if !self.name.is_empty() {
-            names.push(self.name.clone());
-        }
-        pb::SnapshotInfo {
-            snapshot_id: self.id.clone(),
-            names,
-            sandbox_id: self.sandbox_id.clone(),
-            team_id: self.team_id.clone(),
-            node_id: self.node_id.clone(),
-            template: self.template.clone(),
-            build: self.build.clone(),
-            created_at_ms: self.created_at_ms,
-            filesystem_only: self.filesystem_only != 0,
-        }
-    }
-}
 
 /// Snapshot ids look like E2B template ids (20 lowercase alphanumerics); the leading `s`
 /// keeps them apart from sandbox ids (`i…`) and makes them valid node template names.
@@ -79,129 +45,48 @@ pub fn check_name(name: &str) -> Result<(), MasterError> {
     }
 }
 
-impl Db {
-    pub async fn insert_snapshot(&self, s: &SnapshotRow) -> Result<(), MasterError> {
-        sqlx::query(
-            "INSERT INTO snapshots (id, name, team_id, sandbox_id, node_id, template, build, \
-             filesystem_only, created_at_ms) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
-        )
-        .bind(&s.id)
-        .bind(&s.name)
-        .bind(&s.team_id)
-        .bind(&s.sandbox_id)
-        .bind(&s.node_id)
-        .bind(&s.template)
-        .bind(&s.build)
-        .bind(s.filesystem_only)
-        .bind(s.created_at_ms)
-        .execute(&self.pool)
-        .await?;
-        Ok(())
-    }
-
-    pub async fn get_snapshot(&self, id: &str) -> Result<Option<SnapshotRow>, MasterError> {
-        Ok(
-            sqlx::query_as::<_, SnapshotRow>("SELECT * FROM snapshots WHERE id = $1")
-                .bind(id)
-                .fetch_optional(&self.pool)
-                .await?,
-        )
-    }
-
-    /// The team's newest snapshot with this name.
-    pub async fn snapshot_by_name(
-        &self,
-        team: &str,
-        name: &str,
-    ) -> Result<Option<SnapshotRow>, MasterError> {
-        Ok(sqlx::query_as::<_, SnapshotRow>(
-            "SELECT * FROM snapshots WHERE team_id = $1 AND name = $2 \
-             ORDER BY created_at_ms DESC, id DESC LIMIT 1",
-        )
-        .bind(team)
-        .bind(name)
-        .fetch_optional(&self.pool)
-        .await?)
-    }
-
-    /// Every snapshot, newest first.
-    pub async fn list_snapshot_rows(&self) -> Result<Vec<SnapshotRow>, MasterError> {
-        Ok(sqlx::query_as::<_, SnapshotRow>(
-            "SELECT * FROM snapshots ORDER BY created_at_ms DESC, id DESC",
-        )
-        .fetch_all(&self.pool)
-        .await?)
-    }
-
-    pub async fn delete_snapshot_row(&self, id: &str) -> Result<bool, MasterError> {
-        let r = sqlx::query("DELETE FROM snapshots WHERE id = $1")
-            .bind(id)
-            .execute(&self.pool)
-            .await?;
-        Ok(r.rows_affected() == 1)
-    }
-}
-
-/// The snapshot `key` (id, or name) names for `team` (empty = any team, id only for names).
-pub async fn resolve(db: &Db, team: &str, key: &str) -> Result<Option<SnapshotRow>, MasterError> {
-    if let Some(s) = db.get_snapshot(key).await? {
-        if team.is_empty() || s.team_id == team {
-            return Ok(Some(s));
-        }
-        return Ok(None);
-    }
-    if team.is_empty() {
-        return Ok(None);
-    }
-    db.snapshot_by_name(team, key).await
-}
-
-/// Called by create: when the template is one of the team's snapshots, rewrites it to the
-/// snapshot id and returns the only candidate node (or why it cannot take the sandbox).
-/// `None` = an ordinary template, scheduled by the normal filters.
-pub(crate) async fn pin_for_create(
-    ctl: &Controller,
-    p: &mut CreateParams,
-) -> Result<Option<Result<Vec<Node>, NoFit>>, MasterError> {
-    let Some(s) = resolve(&ctl.db, &p.team_id, &p.template).await? else {
-        // Another team's snapshot id is not a template name this team may use: the node would
-        // otherwise restore that team's memory and disk for it.
-        if ctl.db.get_snapshot(&p.template).await?.is_some() {
-            return Err(MasterError::NotFound(format!(
-                "template '{}' not found",
-                p.template
-            )));
-        }
-        return Ok(None);
-    };
-    p.template = s.id.clone();
-    let Some(n) = ctl.nodes.find(&s.node_id) else {
-        return Err(MasterError::Unavailable(format!(
-            "node {} holding snapshot {} is not known to this master",
-            s.node_id, s.id
-        )));
-    };
-    // The scheduler's own filters (ready, cordon, capacity, memory), on that one node; its
-    // polled template list may not show the snapshot yet, and need not.
-    let held = [s.id.clone()];
-    let mut v = n.view();
-    v.templates = &held;
-    let r = scheduler::rank(
-        &[v],
-        &scheduler::Request {
-            template: &s.id,
-            memory_mib: ctl.cfg.default_memory_mib,
-        },
-    );
-    Ok(Some(r.map(|_| vec![n.clone()])))
-}
-
 /// Operations on snapshots, over the controller's database, nodes and sandbox locks.
-pub struct Snapshots<'a> {
-    pub ctl: &'a Controller,
-}
+impl Controller {
+    /// Called by create: when the template is one of the team's snapshots, rewrites it to the
+    /// snapshot id and returns the only candidate node (or why it cannot take the sandbox).
+    /// `None` = an ordinary template, scheduled by the normal filters.
+    pub(crate) async fn pin_for_create(
+        &self,
+        p: &mut CreateParams,
+    ) -> Result<Option<Result<Vec<Node>, NoFit>>, MasterError> {
+        let Some(s) = self.db.resolve_snapshot(&p.team_id, &p.template).await? else {
+            // Another team's snapshot id is not a template name this team may use: the node would
+            // otherwise restore that team's memory and disk for it.
+            if self.db.get_snapshot(&p.template).await?.is_some() {
+                return Err(MasterError::NotFound(format!(
+                    "template '{}' not found",
+                    p.template
+                )));
+            }
+            return Ok(None);
+        };
+        p.template = s.id.clone();
+        let Some(n) = self.nodes.find(&s.node_id) else {
+            return Err(MasterError::Unavailable(format!(
+                "node {} holding snapshot {} is not known to this master",
+                s.node_id, s.id
+            )));
+        };
+        // The scheduler's own filters (ready, cordon, capacity, memory), on that one node; its
+        // polled template list may not show the snapshot yet, and need not.
+        let held = [s.id.clone()];
+        let mut v = n.view();
+        v.templates = &held;
+        let r = scheduler::rank(
+            &[v],
+            &scheduler::Request {
+                template: &s.id,
+                memory_mib: self.cfg.default_memory_mib,
+            },
+        );
+        Ok(Some(r.map(|_| vec![n.clone()])))
+    }
 
-impl Snapshots<'_> {
     /// Snapshots a running or paused sandbox on its node.
     pub async fn snapshot(
         &self,
@@ -212,12 +97,11 @@ impl Snapshots<'_> {
         if !name.is_empty() {
             check_name(name)?;
         }
-        let ctl = self.ctl;
         // Serialised with pause/kill of the same sandbox: the node freezes it meanwhile.
-        let lock = ctl.lock_for(sandbox_id);
+        let lock = self.lock_for(sandbox_id);
         let _g = lock.lock().await;
-        let row = ctl.visible(team, sandbox_id).await?;
-        match row.state()? {
+        let row = self.visible(team, sandbox_id).await?;
+        match row.state {
             SandboxState::Running | SandboxState::Paused => {}
             SandboxState::Killing => {
                 return Err(MasterError::NotFound(format!(
@@ -230,7 +114,7 @@ impl Snapshots<'_> {
                 )))
             }
         }
-        let n = ctl.node_of(&row)?;
+        let n = self.node_of(&row)?;
         let id = new_snapshot_id();
         let mut c = n.client.clone();
         let r = tokio::time::timeout(
@@ -267,14 +151,14 @@ impl Snapshots<'_> {
             filesystem_only: i64::from(resp.filesystem_only),
             created_at_ms: crate::now_ms(),
         };
-        ctl.db.insert_snapshot(&s).await?;
+        self.db.insert_snapshot(&s).await?;
         tracing::info!(snapshot = %s.id, sandbox = %sandbox_id, node = %s.node_id, "snapshot taken");
         Ok(s)
     }
 
     /// One page of the team's snapshots, newest first. The token is the last row's
     /// `<created_at_ms>.<id>`.
-    pub async fn list(
+    pub async fn list_snapshots(
         &self,
         r: &pb::ListSnapshotsRequest,
     ) -> Result<(Vec<SnapshotRow>, String), MasterError> {
@@ -290,7 +174,6 @@ impl Snapshots<'_> {
             )
         };
         let mut rows: Vec<SnapshotRow> = self
-            .ctl
             .db
             .list_snapshot_rows()
             .await?
@@ -314,15 +197,14 @@ impl Snapshots<'_> {
 
     /// Deletes a snapshot (by id or name) and its build on the node. Refused while live
     /// sandboxes were created from it; `Ok(false)` when there is no such snapshot.
-    pub async fn delete(&self, team: &str, key: &str) -> Result<bool, MasterError> {
-        let ctl = self.ctl;
-        let Some(s) = resolve(&ctl.db, team, key).await? else {
+    pub async fn delete_snapshot(&self, team: &str, key: &str) -> Result<bool, MasterError> {
+        let Some(s) = self.db.resolve_snapshot(team, key).await? else {
             return Ok(false);
         };
         // Under the snapshot's own lock so that two deletes do not race on the node.
-        let lock = ctl.lock_for(&s.id);
+        let lock = self.lock_for(&s.id);
         let _g = lock.lock().await;
-        let users = ctl
+        let users = self
             .db
             .list_in_states(&[
                 SandboxState::Creating,
@@ -341,7 +223,7 @@ impl Snapshots<'_> {
                 s.id
             )));
         }
-        if let Some(n) = ctl.nodes.find(&s.node_id) {
+        if let Some(n) = self.nodes.find(&s.node_id) {
             let mut c = n.client.clone();
             let r = tokio::time::timeout(
                 Duration::from_secs(60),
@@ -371,7 +253,7 @@ impl Snapshots<'_> {
         } else {
             tracing::warn!(snapshot = %s.id, node = %s.node_id, "snapshot's node is unknown; forgetting the snapshot");
         }
-        let existed = ctl.db.delete_snapshot_row(&s.id).await?;
+        let existed = self.db.delete_snapshot_row(&s.id).await?;
         tracing::info!(snapshot = %s.id, "snapshot deleted");
         Ok(existed)
     }
@@ -383,7 +265,7 @@ impl Snapshots<'_> {
         sandbox_id: &str,
         count: u32,
         timeout_s: u64,
-    ) -> Result<(SnapshotRow, Vec<Result<crate::db::SandboxRow, MasterError>>), MasterError> {
+    ) -> Result<(SnapshotRow, Vec<Result<SandboxRow, MasterError>>), MasterError> {
         let count = if count == 0 { 1 } else { count };
         if count > MAX_FORK_COUNT {
             return Err(MasterError::InvalidArgument(format!(
@@ -396,16 +278,16 @@ impl Snapshots<'_> {
             timeout_s
         };
         // Checked before the snapshot so that a bad timeout leaves nothing behind.
-        if timeout_s > self.ctl.cfg.max_timeout_s {
+        if timeout_s > self.cfg.max_timeout_s {
             return Err(MasterError::InvalidArgument(format!(
                 "Timeout cannot be greater than {} hours",
-                self.ctl.cfg.max_timeout_s / 3600
+                self.cfg.max_timeout_s / 3600
             )));
         }
-        let src = self.ctl.get(team, sandbox_id).await?;
+        let src = self.get(team, sandbox_id).await?;
         let snap = self.snapshot(team, sandbox_id, "").await?;
         let creates = (0..count).map(|_| {
-            self.ctl.create(CreateParams {
+            self.create(CreateParams {
                 team_id: src.team_id.clone(),
                 template: snap.id.clone(),
                 timeout_s,
@@ -427,34 +309,6 @@ impl Snapshots<'_> {
     }
 }
 
-/// gRPC code name of an error, as fork results carry it.
-pub fn code_name(e: &MasterError) -> String {
-    let s: tonic::Status = match e {
-        MasterError::InvalidArgument(m) => tonic::Status::invalid_argument(m.clone()),
-        MasterError::NotFound(m) => tonic::Status::not_found(m.clone()),
-        MasterError::FailedPrecondition(m) => tonic::Status::failed_precondition(m.clone()),
-        MasterError::Unauthenticated(m) => tonic::Status::unauthenticated(m.clone()),
-        MasterError::ResourceExhausted(m) => tonic::Status::resource_exhausted(m.clone()),
-        MasterError::Unavailable(m) => tonic::Status::unavailable(m.clone()),
-        MasterError::Node { status, .. } => match status.code() {
-            tonic::Code::InvalidArgument
-            | tonic::Code::NotFound
-            | tonic::Code::ResourceExhausted => tonic::Status::new(status.code(), ""),
-            _ => tonic::Status::internal(""),
-        },
-        _ => tonic::Status::internal(""),
-    };
-    format!("{:?}", s.code())
-        .chars()
-        .fold(String::new(), |mut o, c| {
-            if c.is_uppercase() && !o.is_empty() {
-                o.push('_');
-            }
-            o.push(c.to_ascii_uppercase());
-            o
-        })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -469,15 +323,5 @@ mod tests {
         for bad in ["", "-x", "Has Caps", "a/b", "x:1", &"a".repeat(64)] {
             assert!(check_name(bad).is_err(), "{bad:?}");
         }
-    }
-
-    #[test]
-    fn code_names() {
-        assert_eq!(
-            code_name(&MasterError::ResourceExhausted("x".into())),
-            "RESOURCE_EXHAUSTED"
-        );
-        assert_eq!(code_name(&MasterError::NotFound("x".into())), "NOT_FOUND");
-        assert_eq!(code_name(&MasterError::Internal("x".into())), "INTERNAL");
     }
 }

@@ -1,5 +1,7 @@
-//! SQL storage of sandboxes, API keys, nodes and secrets through sqlx's `Any` driver: SQLite
-//! (`sqlite://PATH`) or PostgreSQL (`postgres://...`), one set of migrations for both.
+//! SQL storage of sandboxes, API keys, nodes, snapshots and secrets through sqlx's `Any`
+//! driver: SQLite (`sqlite://PATH`) or PostgreSQL (`postgres://...`), one set of migrations for
+//! both. This module holds the sandboxes and idempotency keys; the other tables have a
+//! submodule each, all as `impl Db`. Only this module and its submodules reach the pool.
 //!
 //! Portability rules for every query and migration here (both backends run them in CI):
 //! placeholders are `$1, $2, ...` (SQLite accepts `$N` and binds it by number), types are
@@ -13,7 +15,11 @@ use sqlx::any::AnyPoolOptions;
 use sqlx::AnyPool;
 use sqlx::FromRow;
 use std::collections::BTreeMap;
-use std::str::FromStr;
+
+pub mod apikeys;
+pub mod nodes;
+pub mod secrets;
+pub mod snapshots;
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
@@ -38,7 +44,9 @@ pub struct SandboxRow {
     pub team_id: String,
     pub template: String,
     pub build: String,
-    pub state: String,
+    /// Decoded when the row is read: a state this master does not know fails the read with
+    /// an internal error.
+    pub state: SandboxState,
     pub reason: String,
     pub node_id: String,
     pub agent_address: String,
@@ -77,10 +85,6 @@ pub struct SandboxRow {
 }
 
 impl SandboxRow {
-    pub fn state(&self) -> Result<SandboxState, MasterError> {
-        SandboxState::from_str(&self.state).map_err(MasterError::Internal)
-    }
-
     pub fn metadata_map(&self) -> BTreeMap<String, String> {
         decode_map(&self.metadata)
     }
@@ -155,33 +159,6 @@ fn unescape(s: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-/// One API key row.
-#[derive(Debug, Clone, FromRow)]
-pub struct ApiKeyRow {
-    pub id: String,
-    pub name: String,
-    pub team_id: String,
-    pub key_sha256: String,
-    pub prefix: String,
-    pub created_at_ms: i64,
-    pub revoked: i64,
-}
-
-/// One secret row: its current version's value, sealed ([`crate::secrets::SecretsKey`]).
-#[derive(Debug, Clone, FromRow, PartialEq, Eq)]
-pub struct SecretRow {
-    pub id: String,
-    pub team_id: String,
-    /// Canonical (lower-cased); unique in the team.
-    pub name: String,
-    pub version: i64,
-    /// [`encode_map`] of the metadata.
-    pub metadata: String,
-    pub sealed: String,
-    pub created_at_ms: i64,
-    pub updated_at_ms: i64,
-}
-
 /// Which database the URL names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backend {
@@ -206,10 +183,43 @@ impl Backend {
 
 #[derive(Clone)]
 pub struct Db {
-    // crate-visible: snapshots.rs keeps its own queries next to its logic.
+    // Private: the submodules of `store` (one per table) use it, nothing outside.
     // NOTE: `$1, $2` placeholders only (see the module comment): PostgreSQL rejects `?`.
-    pub(crate) pool: AnyPool,
+    pool: AnyPool,
     backend: Backend,
+}
+
+/// A stored sandbox state that is none of [`SandboxState`]'s names.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct UnknownState(String);
+
+/// Sandbox states are stored as their names ([`SandboxState::as_str`]) and decoded when a row
+/// is read, so that [`SandboxRow::state`] is the enum.
+impl sqlx::Type<sqlx::Any> for SandboxState {
+    fn type_info() -> sqlx::any::AnyTypeInfo {
+        <String as sqlx::Type<sqlx::Any>>::type_info()
+    }
+}
+
+impl<'r> sqlx::Decode<'r, sqlx::Any> for SandboxState {
+    fn decode(
+        value: <sqlx::Any as sqlx::Database>::ValueRef<'r>,
+    ) -> Result<Self, sqlx::error::BoxDynError> {
+        let s = <String as sqlx::Decode<'r, sqlx::Any>>::decode(value)?;
+        s.parse().map_err(|e| UnknownState(e).into())
+    }
+}
+
+/// The error of a read of sandbox rows: a state this master does not know is an internal
+/// error saying so (`unknown sandbox state "..."`), any other a database error.
+fn sandbox_read(e: sqlx::Error) -> MasterError {
+    match e {
+        sqlx::Error::ColumnDecode { source, .. } if source.is::<UnknownState>() => {
+            MasterError::Internal(source.to_string())
+        }
+        e => MasterError::Db(e),
+    }
 }
 
 impl Db {
@@ -268,7 +278,7 @@ impl Db {
         .bind(&r.team_id)
         .bind(&r.template)
         .bind(&r.build)
-        .bind(&r.state)
+        .bind(r.state.as_str())
         .bind(&r.reason)
         .bind(&r.node_id)
         .bind(&r.agent_address)
@@ -300,12 +310,11 @@ impl Db {
     }
 
     pub async fn get_sandbox(&self, id: &str) -> Result<Option<SandboxRow>, MasterError> {
-        Ok(
-            sqlx::query_as::<_, SandboxRow>("SELECT * FROM sandboxes WHERE id = $1")
-                .bind(id)
-                .fetch_optional(&self.pool)
-                .await?,
-        )
+        sqlx::query_as::<_, SandboxRow>("SELECT * FROM sandboxes WHERE id = $1")
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(sandbox_read)
     }
 
     /// The running sandbox whose stored token is `hashed` (or, for rows from before tokens
@@ -315,13 +324,14 @@ impl Db {
         hashed: &str,
         legacy_plain: &str,
     ) -> Result<Option<SandboxRow>, MasterError> {
-        Ok(sqlx::query_as::<_, SandboxRow>(
+        sqlx::query_as::<_, SandboxRow>(
             "SELECT * FROM sandboxes WHERE access_token IN ($1, $2) AND state = 'running' LIMIT 1",
         )
         .bind(hashed)
         .bind(legacy_plain)
         .fetch_optional(&self.pool)
-        .await?)
+        .await
+        .map_err(sandbox_read)
     }
 
     /// Sandboxes in any of `states`, ordered by (started_at_ms, id).
@@ -394,7 +404,7 @@ impl Db {
         if let Some((ms, id)) = &q.cursor {
             query = query.bind(*ms).bind(*ms).bind(id.as_str());
         }
-        Ok(query.fetch_all(&self.pool).await?)
+        query.fetch_all(&self.pool).await.map_err(sandbox_read)
     }
 
     /// Deletes rows of sandboxes killed before `before_ms`; returns how many.
@@ -599,143 +609,6 @@ impl Db {
         .await?;
         Ok(r.rows_affected())
     }
-
-    pub async fn insert_api_key(&self, k: &ApiKeyRow) -> Result<(), MasterError> {
-        sqlx::query(
-            "INSERT INTO api_keys (id, name, team_id, key_sha256, prefix, created_at_ms, revoked) \
-             VALUES ($1, $2, $3, $4, $5, $6, 0)",
-        )
-        .bind(&k.id)
-        .bind(&k.name)
-        .bind(&k.team_id)
-        .bind(&k.key_sha256)
-        .bind(&k.prefix)
-        .bind(k.created_at_ms)
-        .execute(&self.pool)
-        .await?;
-        Ok(())
-    }
-
-    pub async fn api_key_by_hash(&self, hash: &str) -> Result<Option<ApiKeyRow>, MasterError> {
-        Ok(sqlx::query_as::<_, ApiKeyRow>(
-            "SELECT * FROM api_keys WHERE key_sha256 = $1 AND revoked = 0",
-        )
-        .bind(hash)
-        .fetch_optional(&self.pool)
-        .await?)
-    }
-
-    pub async fn list_api_keys(&self) -> Result<Vec<ApiKeyRow>, MasterError> {
-        Ok(
-            sqlx::query_as::<_, ApiKeyRow>("SELECT * FROM api_keys ORDER BY created_at_ms, id")
-                .fetch_all(&self.pool)
-                .await?,
-        )
-    }
-
-    /// Inserts a secret; `Ok(false)` when the team already has one of that name.
-    pub async fn insert_secret(&self, r: &SecretRow) -> Result<bool, MasterError> {
-        let res = sqlx::query(
-            "INSERT INTO secrets (id, team_id, name, version, metadata, sealed, created_at_ms, \
-             updated_at_ms) VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT DO NOTHING",
-        )
-        .bind(&r.id)
-        .bind(&r.team_id)
-        .bind(&r.name)
-        .bind(r.version)
-        .bind(&r.metadata)
-        .bind(&r.sealed)
-        .bind(r.created_at_ms)
-        .bind(r.updated_at_ms)
-        .execute(&self.pool)
-        .await?;
-        Ok(res.rows_affected() == 1)
-    }
-
-    /// The team's secret whose id or name is `key`.
-    pub async fn get_secret(
-        &self,
-        team: &str,
-        key: &str,
-    ) -> Result<Option<SecretRow>, MasterError> {
-        Ok(sqlx::query_as::<_, SecretRow>(
-            "SELECT * FROM secrets WHERE team_id = $1 AND (id = $2 OR name = $3)",
-        )
-        .bind(team)
-        .bind(key)
-        .bind(key)
-        .fetch_optional(&self.pool)
-        .await?)
-    }
-
-    /// Up to `limit` of the team's secrets strictly after `cursor` (created_at_ms, id), in
-    /// that order.
-    pub async fn page_secrets(
-        &self,
-        team: &str,
-        cursor: Option<(i64, String)>,
-        limit: usize,
-    ) -> Result<Vec<SecretRow>, MasterError> {
-        let order = format!("ORDER BY created_at_ms, id LIMIT {limit}");
-        Ok(match cursor {
-            None => {
-                sqlx::query_as::<_, SecretRow>(&format!(
-                    "SELECT * FROM secrets WHERE team_id = $1 {order}"
-                ))
-                .bind(team)
-                .fetch_all(&self.pool)
-                .await?
-            }
-            Some((ms, id)) => {
-                sqlx::query_as::<_, SecretRow>(&format!(
-                    "SELECT * FROM secrets WHERE team_id = $1 AND \
-                     (created_at_ms > $2 OR (created_at_ms = $3 AND id > $4)) {order}"
-                ))
-                .bind(team)
-                .bind(ms)
-                .bind(ms)
-                .bind(id)
-                .fetch_all(&self.pool)
-                .await?
-            }
-        })
-    }
-
-    /// Stores the row's new version, sealed value, metadata and update time, only if the
-    /// stored version is still `from`. Returns whether it did.
-    pub async fn update_secret(&self, r: &SecretRow, from: i64) -> Result<bool, MasterError> {
-        let res = sqlx::query(
-            "UPDATE secrets SET version = $1, sealed = $2, metadata = $3, updated_at_ms = $4 \
-             WHERE team_id = $5 AND id = $6 AND version = $7",
-        )
-        .bind(r.version)
-        .bind(&r.sealed)
-        .bind(&r.metadata)
-        .bind(r.updated_at_ms)
-        .bind(&r.team_id)
-        .bind(&r.id)
-        .bind(from)
-        .execute(&self.pool)
-        .await?;
-        Ok(res.rows_affected() == 1)
-    }
-
-    pub async fn delete_secret(&self, team: &str, id: &str) -> Result<bool, MasterError> {
-        let res = sqlx::query("DELETE FROM secrets WHERE team_id = $1 AND id = $2")
-            .bind(team)
-            .bind(id)
-            .execute(&self.pool)
-            .await?;
-        Ok(res.rows_affected() == 1)
-    }
-
-    pub async fn revoke_api_key(&self, id: &str) -> Result<bool, MasterError> {
-        let r = sqlx::query("UPDATE api_keys SET revoked = 1 WHERE id = $1 AND revoked = 0")
-            .bind(id)
-            .execute(&self.pool)
-            .await?;
-        Ok(r.rows_affected() == 1)
-    }
 }
 
 #[cfg(test)]
@@ -749,5 +622,28 @@ mod tests {
         m.insert("user".to_string(), "émile".to_string());
         assert_eq!(decode_map(&encode_map(&m)), m);
         assert!(decode_map("").is_empty());
+    }
+
+    #[tokio::test]
+    async fn unknown_state_is_an_internal_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Db::open(&format!("sqlite://{}/m.db", dir.path().display()))
+            .await
+            .unwrap();
+        sqlx::query(
+            "INSERT INTO sandboxes (id, team_id, template, state, node_id, access_token, \
+             started_at_ms, end_at_ms, updated_at_ms) \
+             VALUES ('a', 't', 'base', 'hibernating', 'n1', 'x', 1, 2, 1)",
+        )
+        .execute(&db.pool)
+        .await
+        .unwrap();
+        for e in [
+            db.get_sandbox("a").await.unwrap_err(),
+            db.sandboxes_on_node("n1").await.unwrap_err(),
+        ] {
+            let want = "unknown sandbox state \"hibernating\"";
+            assert!(matches!(&e, MasterError::Internal(m) if m == want), "{e:?}");
+        }
     }
 }

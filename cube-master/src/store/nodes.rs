@@ -1,6 +1,6 @@
-//! The `nodes` and `join_tokens` tables (portable SQL, see [`crate::db`]).
+//! The `nodes` and `join_tokens` tables (portable SQL, see [`crate::store`]).
 
-use crate::db::{Db, SandboxRow};
+use super::{sandbox_read, Db, SandboxRow};
 use crate::error::MasterError;
 use crate::state::SandboxState;
 use sqlx::FromRow;
@@ -176,7 +176,8 @@ impl Db {
         )
         .bind(node_id)
         .fetch_all(&self.pool)
-        .await?;
+        .await
+        .map_err(sandbox_read)?;
         Ok(rows)
     }
 

@@ -185,8 +185,8 @@ pub struct Handle(pub Arc<FakeNode>);
 type R<T> = Result<Response<T>, Status>;
 
 /// A create of `base` for team `t`, 600 s.
-pub fn params() -> cube_master::service::CreateParams {
-    cube_master::service::CreateParams {
+pub fn params() -> cube_master::ops::CreateParams {
+    cube_master::ops::CreateParams {
         team_id: "t".into(),
         template: "base".into(),
         timeout_s: 600,
@@ -437,10 +437,10 @@ pub async fn controller(
     url: &str,
     statics: &[String],
     cfg: cube_master::MasterConfig,
-) -> cube_master::service::Controller {
-    let db = cube_master::db::Db::open(url).await.unwrap();
-    let nodes = cube_master::nodes::Nodes::new(statics, cfg.node_max_misses).unwrap();
-    let ctl = cube_master::service::Controller::new(
+) -> cube_master::ops::Controller {
+    let db = cube_master::store::Db::open(url).await.unwrap();
+    let nodes = cube_master::fleet::Nodes::new(statics, cfg.node_max_misses).unwrap();
+    let ctl = cube_master::ops::Controller::new(
         cube_master::MasterConfig {
             nodes: statics.to_vec(),
             ..cfg
