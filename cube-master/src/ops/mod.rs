@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex};
 
 pub mod history;
 pub mod lifecycle;
+pub mod page;
 pub mod reaper;
 pub mod sandboxes;
 pub mod secrets;

@@ -839,17 +839,8 @@ impl Controller {
         } else {
             p.states.clone()
         };
-        let limit = if p.limit == 0 { 100 } else { p.limit.min(100) } as usize;
-        let cursor = if p.next_token.is_empty() {
-            None
-        } else {
-            let (ms, id) = p
-                .next_token
-                .split_once('.')
-                .and_then(|(a, b)| Some((a.parse::<i64>().ok()?, b.to_string())))
-                .ok_or_else(|| MasterError::InvalidArgument("invalid next token".into()))?;
-            Some((ms, id))
-        };
+        let limit = super::page::size(p.limit);
+        let cursor = super::page::after(&p.next_token)?;
         // Metadata is filtered here (it is an encoded list, not columns): fetch pages until
         // one more match than the limit shows there is a next page.
         let batch = if p.metadata.is_empty() {
@@ -884,13 +875,9 @@ impl Controller {
                 break;
             }
         }
-        let more = rows.len() > limit;
-        rows.truncate(limit);
-        let token = match (more, rows.last()) {
-            (true, Some(r)) => format!("{}.{}", r.started_at_ms, r.id),
-            _ => String::new(),
-        };
-        Ok((rows, token))
+        Ok(super::page::cut(rows, limit, |r| {
+            (r.started_at_ms, r.id.as_str())
+        }))
     }
 
     /// A sandbox past its end: paused if it asked for that at its timeout (and is running),

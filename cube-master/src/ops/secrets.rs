@@ -74,25 +74,12 @@ impl Controller {
         next_token: &str,
     ) -> Result<(Vec<SecretRow>, String), MasterError> {
         let team = team_of(team)?;
-        let limit = if limit == 0 { 100 } else { limit.min(100) } as usize;
-        let cursor = if next_token.is_empty() {
-            None
-        } else {
-            Some(
-                next_token
-                    .split_once('.')
-                    .and_then(|(a, b)| Some((a.parse::<i64>().ok()?, b.to_string())))
-                    .ok_or_else(|| MasterError::InvalidArgument("invalid next token".into()))?,
-            )
-        };
-        let mut rows = self.db.page_secrets(team, cursor, limit + 1).await?;
-        let more = rows.len() > limit;
-        rows.truncate(limit);
-        let token = match (more, rows.last()) {
-            (true, Some(s)) => format!("{}.{}", s.created_at_ms, s.id),
-            _ => String::new(),
-        };
-        Ok((rows, token))
+        let size = super::page::size(limit);
+        let cursor = super::page::after(next_token)?;
+        let rows = self.db.page_secrets(team, cursor, size + 1).await?;
+        Ok(super::page::cut(rows, size, |s| {
+            (s.created_at_ms, s.id.as_str())
+        }))
     }
 
     /// Stores `value` as the secret's next version; `metadata` replaces the stored one when

@@ -162,18 +162,9 @@ impl Controller {
         &self,
         r: &pb::ListSnapshotsRequest,
     ) -> Result<(Vec<SnapshotRow>, String), MasterError> {
-        let limit = if r.limit == 0 { 100 } else { r.limit.min(100) } as usize;
-        let cursor = if r.next_token.is_empty() {
-            None
-        } else {
-            Some(
-                r.next_token
-                    .split_once('.')
-                    .and_then(|(a, b)| Some((a.parse::<i64>().ok()?, b.to_string())))
-                    .ok_or_else(|| MasterError::InvalidArgument("invalid next token".into()))?,
-            )
-        };
-        let mut rows: Vec<SnapshotRow> = self
+        let size = super::page::size(r.limit);
+        let cursor = super::page::after(&r.next_token)?;
+        let rows: Vec<SnapshotRow> = self
             .db
             .list_snapshot_rows()
             .await?
@@ -186,13 +177,9 @@ impl Controller {
                 None => true,
             })
             .collect();
-        let more = rows.len() > limit;
-        rows.truncate(limit);
-        let token = match (more, rows.last()) {
-            (true, Some(s)) => format!("{}.{}", s.created_at_ms, s.id),
-            _ => String::new(),
-        };
-        Ok((rows, token))
+        Ok(super::page::cut(rows, size, |s| {
+            (s.created_at_ms, s.id.as_str())
+        }))
     }
 
     /// Deletes a snapshot (by id or name) and its build on the node. Refused while live
