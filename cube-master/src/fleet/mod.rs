@@ -104,6 +104,29 @@ fn client_for(address: &str) -> Result<Clients, crate::MasterError> {
     ))
 }
 
+/// A registered node's status from its registration; what only its heartbeats report (free
+/// disk, sandbox count, templates) is kept from `prev`, or empty until the first.
+fn registered_status(r: &Registration, prev: Option<&NodeStatusResponse>) -> NodeStatusResponse {
+    NodeStatusResponse {
+        node_id: r.node_id.clone(),
+        version: r.version.clone(),
+        runtime: r.runtime.clone(),
+        kvm_kind: r.kvm_kind.clone(),
+        capacity: Some(Capacity {
+            vcpus: r.vcpus,
+            memory_mib: r.memory_mib,
+            disk_free_mib: prev
+                .and_then(|p| p.capacity.as_ref())
+                .map(|c| c.disk_free_mib)
+                .unwrap_or(0),
+            max_sandboxes: r.max_sandboxes,
+        }),
+        sandboxes: prev.map(|p| p.sandboxes).unwrap_or(0),
+        templates: prev.map(|p| p.templates.clone()).unwrap_or_default(),
+        ..Default::default()
+    }
+}
+
 /// Checks a node's gRPC address without connecting.
 pub fn check_address(address: &str) -> Result<(), crate::MasterError> {
     if !(address.starts_with("http://") || address.starts_with("https://")) {
@@ -141,6 +164,18 @@ impl Node {
             secret_sha256: String::new(),
             db_synced: false,
         })
+    }
+
+    /// A registered node as its registration describes it (health Unknown, seen now).
+    fn registered(r: &Registration, now_ms: i64) -> Result<Node, crate::MasterError> {
+        let mut n = Node::new(&r.address, Origin::Registered)?;
+        n.node_id = r.node_id.clone();
+        n.status = Some(registered_status(r, None));
+        n.secret_sha256 = r.secret_sha256.clone();
+        n.cordoned = r.cordoned;
+        n.last_seen_ms = now_ms;
+        n.persisted_seen_ms = now_ms;
+        Ok(n)
     }
 
     /// The node's id: known id, else the id it reports, else its address.
@@ -355,43 +390,19 @@ impl Nodes {
     /// Adds or updates a registered node (a new address gets a new client).
     pub fn register(&self, r: &Registration, now_ms: i64) -> Result<(), crate::MasterError> {
         let mut g = self.write();
-        let status = |prev: Option<&NodeStatusResponse>| NodeStatusResponse {
-            node_id: r.node_id.clone(),
-            version: r.version.clone(),
-            runtime: r.runtime.clone(),
-            kvm_kind: r.kvm_kind.clone(),
-            capacity: Some(Capacity {
-                vcpus: r.vcpus,
-                memory_mib: r.memory_mib,
-                disk_free_mib: prev
-                    .and_then(|p| p.capacity.as_ref())
-                    .map(|c| c.disk_free_mib)
-                    .unwrap_or(0),
-                max_sandboxes: r.max_sandboxes,
-            }),
-            sandboxes: prev.map(|p| p.sandboxes).unwrap_or(0),
-            templates: prev.map(|p| p.templates.clone()).unwrap_or_default(),
-            ..Default::default()
-        };
         if let Some(n) = g.iter_mut().find(|n| n.node_id == r.node_id) {
             if n.address != r.address {
                 (n.client, n.probe) = client_for(&r.address)?;
                 n.address = r.address.clone();
             }
-            n.status = Some(status(n.status.as_ref()));
+            n.status = Some(registered_status(r, n.status.as_ref()));
             n.secret_sha256 = r.secret_sha256.clone();
             n.last_seen_ms = now_ms;
             n.misses = 0;
             n.set_health(Health::Ready);
             return Ok(());
         }
-        let mut n = Node::new(&r.address, Origin::Registered)?;
-        n.node_id = r.node_id.clone();
-        n.status = Some(status(None));
-        n.secret_sha256 = r.secret_sha256.clone();
-        n.cordoned = r.cordoned;
-        n.last_seen_ms = now_ms;
-        n.persisted_seen_ms = now_ms;
+        let mut n = Node::registered(r, now_ms)?;
         n.set_health(Health::Ready);
         g.push(n);
         Ok(())
@@ -404,26 +415,7 @@ impl Nodes {
         if g.iter().any(|n| n.node_id == r.node_id) {
             return Ok(());
         }
-        let mut n = Node::new(&r.address, Origin::Registered)?;
-        n.node_id = r.node_id.clone();
-        n.secret_sha256 = r.secret_sha256.clone();
-        n.cordoned = r.cordoned;
-        n.status = Some(NodeStatusResponse {
-            node_id: r.node_id.clone(),
-            version: r.version.clone(),
-            runtime: r.runtime.clone(),
-            kvm_kind: r.kvm_kind.clone(),
-            capacity: Some(Capacity {
-                vcpus: r.vcpus,
-                memory_mib: r.memory_mib,
-                disk_free_mib: 0,
-                max_sandboxes: r.max_sandboxes,
-            }),
-            ..Default::default()
-        });
-        n.last_seen_ms = now_ms;
-        n.persisted_seen_ms = now_ms;
-        g.push(n);
+        g.push(Node::registered(r, now_ms)?);
         Ok(())
     }
 
