@@ -261,17 +261,6 @@ impl Network {
             .map_err(|_| NetError::Hook("netns thread panicked".into()))?
     }
 
-    async fn index_of(h: &rtnetlink::Handle, name: &str) -> Result<Option<u32>, NetError> {
-        let mut s = h.link().get().match_name(name.to_string()).execute();
-        match s.try_next().await {
-            Ok(Some(m)) => Ok(Some(m.header.index)),
-            Ok(None) => Ok(None),
-            // ENODEV: no such link.
-            Err(rtnetlink::Error::NetlinkError(e)) if e.raw_code() == -libc::ENODEV => Ok(None),
-            Err(e) => Err(nl(format!("get link {name}"))(e)),
-        }
-    }
-
     /// The endpoint record for `key` (names and paths; `host_ifindex` 0 until wired).
     pub fn endpoint_for(&self, key: &str) -> Endpoint {
         Endpoint {
@@ -340,7 +329,7 @@ impl Network {
             .await
             .map_err(nl(format!("add veth {}", ep.host_if)))?;
         drop(nsfile);
-        let host_idx = Self::index_of(h, &ep.host_if)
+        let host_idx = index_of(h, &ep.host_if)
             .await?
             .ok_or_else(|| NetError::NoLink(ep.host_if.clone()))?;
         ep.host_ifindex = host_idx;
@@ -349,58 +338,8 @@ impl Network {
         self.host_end_up(ep, host_idx).await
     }
 
-    /// The guest side of an endpoint, through a netlink socket opened inside its namespace:
-    /// `eth0` and `lo` up, the guest address, the default route and the gateway's MAC. Parts
-    /// already there are kept.
     async fn configure_guest(&self, nsh: &rtnetlink::Handle) -> Result<(), NetError> {
-        let id = &self.identity;
-        // What a previous configuration left is fine.
-        let exists = |what: &'static str| {
-            move |e: rtnetlink::Error| match e {
-                rtnetlink::Error::NetlinkError(m) if m.raw_code() == -libc::EEXIST => Ok(()),
-                e => Err(nl(what)(e)),
-            }
-        };
-        let gidx = Self::index_of(nsh, "eth0")
-            .await?
-            .ok_or_else(|| NetError::NoLink("eth0".into()))?;
-        nsh.link()
-            .set(gidx)
-            .up()
-            .execute()
-            .await
-            .map_err(nl("eth0 up"))?;
-        nsh.address()
-            .add(gidx, IpAddr::V4(id.guest_ip), id.prefix_len)
-            .execute()
-            .await
-            .or_else(exists("guest address"))?;
-        if let Some(lo) = Self::index_of(nsh, "lo").await? {
-            nsh.link()
-                .set(lo)
-                .up()
-                .execute()
-                .await
-                .map_err(nl("lo up"))?;
-        }
-        nsh.route()
-            .add()
-            .v4()
-            .gateway(id.gateway_ip)
-            .execute()
-            .await
-            .or_else(exists("default route"))?;
-        // The gateway's MAC is fixed: a permanent entry saves the first ARP round trip and is
-        // not counted against the kernel's ARP table limit, which every namespace shares.
-        nsh.neighbours()
-            .add(gidx, IpAddr::V4(id.gateway_ip))
-            .link_local_address(&id.gateway_mac)
-            .state(netlink_packet_route::neighbour::NeighbourState::Permanent)
-            .replace()
-            .execute()
-            .await
-            .map_err(nl("gateway neighbour"))?;
-        Ok(())
+        configure_guest(nsh, &self.identity).await
     }
 
     /// Configures the guest side of a wired endpoint again: a user-space network stack that
@@ -421,7 +360,7 @@ impl Network {
     /// handed to the switch like a veth's host end (no namespace: the VM is the guest side).
     pub async fn tap_endpoint(&self, tap: &str) -> Result<Endpoint, NetError> {
         let h = &self.handle;
-        let idx = Self::index_of(h, tap)
+        let idx = index_of(h, tap)
             .await?
             .ok_or_else(|| NetError::NoLink(tap.to_string()))?;
         h.link()
@@ -477,7 +416,7 @@ impl Network {
     }
 
     async fn destroy_parts(&self, host_if: &str, netns_path: &Path) {
-        if let Ok(Some(idx)) = Self::index_of(&self.handle, host_if).await {
+        if let Ok(Some(idx)) = index_of(&self.handle, host_if).await {
             if let Err(e) = self.handle.link().del(idx).execute().await {
                 tracing::warn!(host_if, error = %e, "deleting veth");
             }
@@ -541,6 +480,123 @@ impl Network {
             })
             .unwrap_or_default()
     }
+}
+
+/// The index of link `name` in the namespace of `h`, if there is one.
+pub(crate) async fn index_of(h: &rtnetlink::Handle, name: &str) -> Result<Option<u32>, NetError> {
+    let mut s = h.link().get().match_name(name.to_string()).execute();
+    match s.try_next().await {
+        Ok(Some(m)) => Ok(Some(m.header.index)),
+        Ok(None) => Ok(None),
+        // ENODEV: no such link.
+        Err(rtnetlink::Error::NetlinkError(e)) if e.raw_code() == -libc::ENODEV => Ok(None),
+        Err(e) => Err(nl(format!("get link {name}"))(e)),
+    }
+}
+
+/// The guest side of an endpoint, through a netlink socket opened inside its namespace:
+/// `eth0` and `lo` up, the guest address, the default route and the gateway's MAC. Parts
+/// already there are kept.
+pub(crate) async fn configure_guest(
+    nsh: &rtnetlink::Handle,
+    id: &GuestIdentity,
+) -> Result<(), NetError> {
+    // What a previous configuration left is fine.
+    let exists = |what: &'static str| {
+        move |e: rtnetlink::Error| match e {
+            rtnetlink::Error::NetlinkError(m) if m.raw_code() == -libc::EEXIST => Ok(()),
+            e => Err(nl(what)(e)),
+        }
+    };
+    let gidx = index_of(nsh, "eth0")
+        .await?
+        .ok_or_else(|| NetError::NoLink("eth0".into()))?;
+    nsh.link()
+        .set(gidx)
+        .up()
+        .execute()
+        .await
+        .map_err(nl("eth0 up"))?;
+    nsh.address()
+        .add(gidx, IpAddr::V4(id.guest_ip), id.prefix_len)
+        .execute()
+        .await
+        .or_else(exists("guest address"))?;
+    if let Some(lo) = index_of(nsh, "lo").await? {
+        nsh.link()
+            .set(lo)
+            .up()
+            .execute()
+            .await
+            .map_err(nl("lo up"))?;
+    }
+    nsh.route()
+        .add()
+        .v4()
+        .gateway(id.gateway_ip)
+        .execute()
+        .await
+        .or_else(exists("default route"))?;
+    // The gateway's MAC is fixed: a permanent entry saves the first ARP round trip and is
+    // not counted against the kernel's ARP table limit, which every namespace shares.
+    nsh.neighbours()
+        .add(gidx, IpAddr::V4(id.gateway_ip))
+        .link_local_address(&id.gateway_mac)
+        .state(netlink_packet_route::neighbour::NeighbourState::Permanent)
+        .replace()
+        .execute()
+        .await
+        .map_err(nl("gateway neighbour"))?;
+    Ok(())
+}
+
+/// Moves the guest end (`eth0`) from the calling thread's network namespace into `to` and,
+/// with `id`, joins `to` (this thread only; the whole process when it has one thread) and
+/// configures it there: moving a link drops its addresses and routes. For a thread outside
+/// any async runtime: it runs one of its own on this thread, and starts no other (a launcher
+/// that joins a user namespace next must stay single-threaded).
+pub fn move_guest_link(to: &std::fs::File, id: Option<&GuestIdentity>) -> Result<(), NetError> {
+    let io = |op: &'static str| {
+        move |source| NetError::Io {
+            op,
+            path: String::new(),
+            source,
+        }
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .build()
+        .map_err(io("async runtime"))?;
+    rt.block_on(async {
+        let (conn, h, _) = rtnetlink::new_connection().map_err(io("netlink socket"))?;
+        let conn = tokio::spawn(conn);
+        let r = async {
+            let idx = index_of(&h, "eth0")
+                .await?
+                .ok_or_else(|| NetError::NoLink("eth0".into()))?;
+            h.link()
+                .set(idx)
+                .setns_by_fd(to.as_raw_fd())
+                .execute()
+                .await
+                .map_err(nl("move eth0 to another namespace"))
+        }
+        .await;
+        conn.abort();
+        r
+    })?;
+    let Some(id) = id else { return Ok(()) };
+    // SAFETY: setns with an fd the caller owns.
+    if unsafe { libc::setns(to.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+        return Err(io("setns(NEWNET)")(std::io::Error::last_os_error()));
+    }
+    rt.block_on(async {
+        let (conn, h, _) = rtnetlink::new_connection().map_err(io("netlink socket"))?;
+        let conn = tokio::spawn(conn);
+        let r = configure_guest(&h, id).await;
+        conn.abort();
+        r
+    })
 }
 
 /// Body of a netns thread: creates and bind-mounts a new network namespace at `path` (or, when

@@ -133,7 +133,7 @@ pub fn build(selection: &Selection, host: Arc<Host>) -> anyhow::Result<Arc<dyn R
         #[cfg(feature = "microvm")]
         crate::sandbox::MICROVM => Ok(Arc::new(microvm::Microvm::new(host)?)),
         crate::sandbox::GVISOR => {
-            let l = gvisor::Gvisor::new(&host.cfg)?;
+            let l = gvisor::Gvisor::new(&host.cfg, &host.identity)?;
             Ok(Arc::new(container::Container::new(host, l)))
         }
         crate::sandbox::NAMESPACE => {

@@ -47,8 +47,10 @@ pub trait Launcher: Send + Sync + 'static {
     /// Flushes the sandbox's filesystem to its disk image (the sandbox is frozen). Blocking.
     fn sync_fs(&self, st: &SandboxState, paths: &SandboxPaths) -> Result<(), String>;
 
-    /// Releases what the launcher holds once every process of the sandbox is gone. Blocking.
-    fn cleanup(&self, _st: &SandboxState, _paths: &SandboxPaths) {}
+    /// Releases what the launcher holds once every process of the sandbox is gone; with
+    /// `keep_endpoint` the sandbox starts again on its endpoint later, which must then be as
+    /// it was given. Blocking.
+    fn cleanup(&self, _st: &SandboxState, _paths: &SandboxPaths, _keep_endpoint: bool) {}
 
     /// At restart: whether the launcher can take a live sandbox back.
     fn readopt(&self, _st: &SandboxState) -> bool {
@@ -606,7 +608,9 @@ impl<L: Launcher> Runtime for Container<L> {
             st.clone(),
             self.host.paths_for(&st.id),
         );
-        if let Err(e) = tokio::task::spawn_blocking(move || launcher.cleanup(&st2, &paths)).await {
+        if let Err(e) =
+            tokio::task::spawn_blocking(move || launcher.cleanup(&st2, &paths, false)).await
+        {
             tracing::error!(id = %st.id, error = %e, "launcher cleanup task");
         }
         killed && self.launcher.endpoint_reusable()
@@ -690,7 +694,7 @@ impl<L: Launcher> Container<L> {
             }
             crate::runtime::process::kill(&cg, &st2.key, st2.pid, st2.pid_start)
                 .map_err(|e| e.to_string())?;
-            launcher.cleanup(&st2, &paths);
+            launcher.cleanup(&st2, &paths, true);
             cg.create(&st2.key)
                 .and_then(|_| cg.set_limits(&st2.key, limits))
                 .map_err(|e| e.to_string())

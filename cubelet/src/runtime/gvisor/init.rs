@@ -12,9 +12,21 @@
 //! mount namespace of its own with an empty tmpfs over `/proc/sys/net`, so the check sees a
 //! non-root namespace, which the sandbox's is. Nothing else of runsc reads the host's net
 //! sysctls; the sandbox's own `/proc` is the Sentry's.
+//!
+//! With `[sandbox] user_namespace` (the default) runsc runs as root of a user namespace of
+//! its own (the namespace runtime's ids: its root is an unprivileged host id), so the Sentry,
+//! the gofer and every file they create belong to that id, not to host root. Debian's runsc
+//! refuses a user namespace in the bundle, so the launcher makes it and enters it before
+//! starting runsc: the root is an idmapped mount (the disk keeps the image's ids), and the
+//! network namespace runsc joins is a new one that user namespace owns (a namespace's owner
+//! decides who may join it), pinned at `<bundle>/netns`, with the sandbox's `eth0` moved in
+//! from the endpoint's namespace and addressed there.
 
+use crate::network::GuestIdentity;
+use crate::runtime::namespace::init::IdMap;
 use serde::{Deserialize, Serialize};
-use std::path::PathBuf;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 pub const SPEC_ENV: &str = "CUBE_GVISOR_INIT_SPEC";
@@ -33,7 +45,18 @@ pub struct GvisorSpec {
     /// A checkpoint image directory to restore from instead of starting the bundle afresh.
     #[serde(default)]
     pub restore: Option<PathBuf>,
+    /// The sandbox's user namespace (see the module's comment), if it has one.
+    #[serde(default)]
+    pub ids: Option<IdMap>,
+    /// The guest end's addresses, set again in the namespace `eth0` moves to.
+    #[serde(default)]
+    pub guest: GuestIdentity,
 }
+
+/// Where, in a bundle, the sandbox's disk is mounted.
+pub const ROOT: &str = "root";
+/// Where, in a bundle, the network namespace of a sandbox with a user namespace is pinned.
+pub const NETNS: &str = "netns";
 
 /// runsc's own view of a container (`runsc state`).
 #[derive(Debug, Deserialize)]
@@ -85,8 +108,12 @@ pub fn main() -> i32 {
 
 fn launch(spec: &GvisorSpec) -> Result<i32, String> {
     crate::runtime::namespace::init::enter(&spec.cgroup_procs, &spec.netns)?;
-    hide_host_net_sysctls()?;
+    // Opened and forked with the host's privileges: the writer drops to nobody itself.
     let log = crate::runtime::namespace::init::spawn_log_writer(&spec.log)?;
+    if let Some(ids) = spec.ids {
+        enter_own_userns(spec, ids)?;
+    }
+    hide_host_net_sysctls()?;
     let out = std::fs::File::from(log);
     let err = out.try_clone().map_err(|e| format!("log pipe: {e}"))?;
     let mut cmd = Command::new(&spec.runsc);
@@ -125,6 +152,104 @@ fn launch(spec: &GvisorSpec) -> Result<i32, String> {
         return Err(format!("runsc state: no sandbox process ({})", st.status));
     }
     Ok(st.pid)
+}
+
+/// Makes the sandbox's user namespace and the network namespace it owns, idmaps the root,
+/// pins the namespace at `<bundle>/netns`, moves `eth0` there and addresses it, lets the
+/// namespace's root read a checkpoint to restore, and joins the user namespace as its root.
+/// Everything that needs host privileges happens here, before the join.
+fn enter_own_userns(spec: &GvisorSpec, ids: IdMap) -> Result<(), String> {
+    use crate::runtime::namespace::init as ns;
+    let (user, net) = ns::make_userns_with(ids, true)?;
+    let net = std::fs::File::from(net.ok_or("no network namespace was made")?);
+    ns::idmap_mount(&spec.bundle.join(ROOT), &user)?;
+    pin_netns(&net, &spec.bundle.join(NETNS))?;
+    crate::network::move_guest_link(&net, Some(&spec.guest))
+        .map_err(|e| format!("the sandbox's eth0: {e}"))?;
+    if let Some(image) = &spec.restore {
+        share_tree_read(image, ids.host(0))?;
+    }
+    ns::enter_userns(&user)
+}
+
+/// Bind-mounts the namespace `ns` at `at` (a new empty file), so runsc can name it by path and
+/// it outlives this launcher.
+fn pin_netns(ns: &std::fs::File, at: &Path) -> Result<(), String> {
+    std::fs::File::create(at).map_err(|e| format!("{}: {e}", at.display()))?;
+    let src = std::ffi::CString::new(format!("/proc/self/fd/{}", ns.as_raw_fd()))
+        .map_err(|e| e.to_string())?;
+    let dst = crate::storage::cstr(at);
+    // SAFETY: valid C strings; a bind mount of a namespace file we hold open.
+    if unsafe {
+        libc::mount(
+            src.as_ptr(),
+            dst.as_ptr(),
+            std::ptr::null(),
+            libc::MS_BIND,
+            std::ptr::null(),
+        )
+    } != 0
+    {
+        return Err(format!(
+            "pin the network namespace at {}: {}",
+            at.display(),
+            std::io::Error::last_os_error()
+        ));
+    }
+    Ok(())
+}
+
+/// Lets group `gid` read `dir` and everything under it (directories 0750, files 0640; links
+/// are not followed), owner unchanged: runsc reads a checkpoint as the sandbox's root, which
+/// must not be able to change an image other sandboxes restore from, and others stay out.
+fn share_tree_read(dir: &Path, gid: u32) -> Result<(), String> {
+    use std::os::unix::fs::PermissionsExt;
+    let meta = std::fs::symlink_metadata(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let mode = if meta.is_dir() {
+        0o750
+    } else if meta.is_file() {
+        0o640
+    } else {
+        return Ok(());
+    };
+    std::os::unix::fs::lchown(dir, None, Some(gid))
+        .and_then(|_| std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode)))
+        .map_err(|e| format!("share {}: {e}", dir.display()))?;
+    if meta.is_dir() {
+        let rd = std::fs::read_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        for e in rd {
+            let e = e.map_err(|e| format!("{}: {e}", dir.display()))?;
+            share_tree_read(&e.path(), gid)?;
+        }
+    }
+    Ok(())
+}
+
+/// Moves the sandbox's `eth0` from the namespace pinned in `bundle` back into `to` (the
+/// endpoint's), before that pinned namespace goes: a veth in a namespace that ends is deleted
+/// with its host end. No pinned namespace (no user namespace): nothing to do.
+pub fn return_guest_link(bundle: &Path, to: &Path) -> Result<(), String> {
+    let pinned = bundle.join(NETNS);
+    if !pinned.exists() {
+        return Ok(());
+    }
+    let (from, to) = (pinned, to.to_path_buf());
+    // A thread of its own: joining a namespace changes only the calling thread.
+    std::thread::spawn(move || -> Result<(), String> {
+        let f = std::fs::File::open(&from).map_err(|e| format!("{}: {e}", from.display()))?;
+        // SAFETY: setns with an fd we own; this thread exits right after.
+        if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+            return Err(format!(
+                "join {}: {}",
+                from.display(),
+                std::io::Error::last_os_error()
+            ));
+        }
+        let t = std::fs::File::open(&to).map_err(|e| format!("{}: {e}", to.display()))?;
+        crate::network::move_guest_link(&t, None).map_err(|e| e.to_string())
+    })
+    .join()
+    .map_err(|_| "the thread moving eth0 panicked".to_string())?
 }
 
 /// A private mount namespace with an empty tmpfs over `/proc/sys/net` (see the module's

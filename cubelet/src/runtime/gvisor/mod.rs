@@ -5,7 +5,9 @@
 //! and its processes run in it; `--ignore-cgroups`), the sandbox's network namespace on cube-vs
 //! (gVisor's own network stack takes its interface: the sandbox's TCP/IP is the Sentry's too;
 //! `init.rs` says how it starts on Debian's runsc despite gVisor issue #10704), the
-//! pre-started pool.
+//! pre-started pool. runsc runs as root of the sandbox's user namespace (`[sandbox]
+//! user_namespace`, the namespace runtime's ids), made by the launcher (`init.rs`): the Sentry
+//! and the gofer are an unprivileged host id, and the disk is an idmapped mount.
 //!
 //! Pause freezes the cgroup (memory stays in RAM). With `[gvisor] pause_to_disk = true` it
 //! saves processes and memory to disk (`runsc checkpoint`) and stops the sandbox, which then
@@ -27,6 +29,8 @@ use super::container::{Launcher, AGENT_PATH};
 use super::SnapshotKind;
 use crate::cgroup::Cgroups;
 use crate::config::Config;
+use crate::network::GuestIdentity;
+use crate::runtime::namespace::init::IdMap;
 use crate::sandbox::{RuntimeState, SandboxPaths, SandboxState, GVISOR};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -45,6 +49,9 @@ pub struct Gvisor {
     tmp_size_mib: u64,
     run_size_mib: u64,
     pause_to_disk: bool,
+    /// The sandboxes' user namespace (`init.rs`), when `[sandbox] user_namespace`.
+    ids: Option<IdMap>,
+    guest: GuestIdentity,
 }
 
 /// How long one runsc command may take.
@@ -65,14 +72,24 @@ pub fn can_run(runsc: &Path) -> Result<(), String> {
 }
 
 impl Gvisor {
-    pub fn new(cfg: &Config) -> anyhow::Result<Gvisor> {
+    pub fn new(cfg: &Config, guest: &GuestIdentity) -> anyhow::Result<Gvisor> {
         use anyhow::Context;
         can_run(&cfg.gvisor.runsc).map_err(|e| anyhow::anyhow!(e))?;
+        let ids = crate::runtime::namespace::subids::sandbox_ids(&cfg.sandbox)
+            .map_err(|e| anyhow::anyhow!(e))?;
         let dir = cfg.run_dir.join("gvisor");
-        std::fs::create_dir_all(dir.join("state"))
-            .with_context(|| format!("creating {}", dir.display()))?;
+        let state = dir.join("state");
+        std::fs::create_dir_all(&state).with_context(|| format!("creating {}", dir.display()))?;
+        // runsc runs as the sandboxes' root and keeps its records there; others stay out.
+        if let Some(ids) = ids {
+            let root = ids.host(0);
+            std::os::unix::fs::chown(&state, Some(root), Some(root))
+                .with_context(|| format!("chown {}", state.display()))?;
+            std::fs::set_permissions(&state, std::os::unix::fs::PermissionsExt::from_mode(0o700))
+                .with_context(|| format!("chmod {}", state.display()))?;
+        }
         let mut flags = vec![
-            format!("--root={}", dir.join("state").display()),
+            format!("--root={}", state.display()),
             format!("--platform={}", cfg.gvisor.platform),
             "--network=sandbox".into(),
             // Open connections are reset at a checkpoint rather than failing it.
@@ -94,6 +111,8 @@ impl Gvisor {
             tmp_size_mib: cfg.sandbox.tmp_size_mib,
             run_size_mib: cfg.sandbox.run_size_mib,
             pause_to_disk: cfg.gvisor.pause_to_disk,
+            ids,
+            guest: guest.clone(),
         })
     }
 
@@ -177,6 +196,16 @@ impl Gvisor {
         Ok(())
     }
 
+    /// Gives the endpoint's namespace its eth0 back from the namespace pinned in the bundle,
+    /// before that one goes (and the veth with it): the sandbox starts on the endpoint again.
+    fn return_guest_link(&self, st: &SandboxState) {
+        if let Some(ep) = &st.endpoint {
+            if let Err(e) = init::return_guest_link(&self.bundle_dir(&st.key), &ep.netns_path) {
+                tracing::warn!(id = %st.id, error = %e, "returning eth0 to its endpoint");
+            }
+        }
+    }
+
     fn remove(&self, key: &str) {
         if let Err(e) = self.runsc(&["delete", "--force", key]) {
             if !e.contains("does not exist") && !e.contains("not found") {
@@ -184,10 +213,13 @@ impl Gvisor {
             }
         }
         let b = self.bundle_dir(key);
-        let root = b.join("root");
-        if let Ok(c) = std::ffi::CString::new(root.as_os_str().as_encoded_bytes()) {
-            // SAFETY: umount2 on a path we own; the loop device goes with the last reference.
-            unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+        let root = b.join(init::ROOT);
+        // The root (the loop device goes with its last reference) and the pinned namespace.
+        for m in [&root, &b.join(init::NETNS)] {
+            if let Ok(c) = std::ffi::CString::new(m.as_os_str().as_encoded_bytes()) {
+                // SAFETY: umount2 on a path we own.
+                unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+            }
         }
         let _ = std::fs::remove_dir(&root);
         let _ = std::fs::remove_dir_all(&b);
@@ -260,6 +292,7 @@ impl Launcher for Gvisor {
     /// it does after the save reaches its disk.
     fn checkpoint_and_stop(&self, st: &SandboxState, image: &Path) -> Result<(), String> {
         self.save_paused(&st.key, image)?;
+        self.return_guest_link(st);
         self.remove(&st.key);
         crate::runtime::process::reap(st.pid, std::time::Duration::from_secs(10));
         Ok(())
@@ -271,7 +304,7 @@ impl Launcher for Gvisor {
     }
 
     fn sync_fs(&self, st: &SandboxState, _paths: &SandboxPaths) -> Result<(), String> {
-        let root = self.bundle_dir(&st.key).join("root");
+        let root = self.bundle_dir(&st.key).join(init::ROOT);
         let f = std::fs::File::open(&root).map_err(|e| format!("{}: {e}", root.display()))?;
         use std::os::fd::AsRawFd;
         // SAFETY: syncfs on an fd we own.
@@ -281,10 +314,14 @@ impl Launcher for Gvisor {
         Ok(())
     }
 
-    fn cleanup(&self, st: &SandboxState, _paths: &SandboxPaths) {
-        if !st.key.is_empty() {
-            self.remove(&st.key);
+    fn cleanup(&self, st: &SandboxState, _paths: &SandboxPaths, keep_endpoint: bool) {
+        if st.key.is_empty() {
+            return;
         }
+        if keep_endpoint {
+            self.return_guest_link(st);
+        }
+        self.remove(&st.key);
     }
 
     /// Its bundle's root is still mounted (the node checked the sandbox process), or it is
@@ -298,7 +335,7 @@ impl Launcher for Gvisor {
             }
             return ok;
         }
-        let root = self.bundle_dir(&st.key).join("root");
+        let root = self.bundle_dir(&st.key).join(init::ROOT);
         let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
         let want = root.to_string_lossy();
         let mounted = mounts
@@ -335,12 +372,17 @@ impl Gvisor {
         restore: Option<&Path>,
     ) -> Result<(i32, u64), String> {
         let b = self.bundle_dir(key);
-        let root = b.join("root");
+        let root = b.join(init::ROOT);
         self.mount_root(&paths.disk(), &root)?;
+        // With a user namespace runsc joins the one the launcher pins in the bundle.
+        let sandbox_netns = match self.ids {
+            Some(_) => b.join(init::NETNS),
+            None => netns.to_path_buf(),
+        };
         let r = (|| {
             let config = bundle::Bundle {
                 root: &root,
-                netns,
+                netns: &sandbox_netns,
                 hostname: &self.hostname,
                 agent_host: &self.agent_host,
                 agent_path: AGENT_PATH,
@@ -360,6 +402,8 @@ impl Gvisor {
                 cgroup_procs: cg.procs_files(key),
                 log: paths.log(),
                 restore: restore.map(Path::to_path_buf),
+                ids: self.ids,
+                guest: self.guest.clone(),
             };
             let json = serde_json::to_string(&spec).map_err(|e| e.to_string())?;
             let out = Command::new(&self.self_exe)

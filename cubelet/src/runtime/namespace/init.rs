@@ -246,6 +246,17 @@ enum Never {}
 /// waits while this one (root in the host's namespace) writes its maps; the namespace stays
 /// alive through the returned fd.
 fn make_userns(ids: IdMap) -> Result<OwnedFd, String> {
+    make_userns_with(ids, false).map(|(user, _)| user)
+}
+
+/// [`make_userns`], and with `net` a network namespace that the new user namespace owns (made
+/// by the helper as its root once the maps are written): only a process privileged in its
+/// owner may join a network namespace, and gVisor's runsc, run as root of the sandbox's user
+/// namespace, must join the sandbox's.
+pub(crate) fn make_userns_with(
+    ids: IdMap,
+    net: bool,
+) -> Result<(OwnedFd, Option<OwnedFd>), String> {
     let (ready_r, ready_w) = pipe()?;
     let (hold_r, hold_w) = pipe()?;
     // SAFETY: single-threaded process.
@@ -257,25 +268,37 @@ fn make_userns(ids: IdMap) -> Result<OwnedFd, String> {
         drop((ready_r, hold_w));
         // SAFETY: unshare, then plain reads and writes on our own pipes.
         unsafe {
-            let ok: u8 = (libc::unshare(libc::CLONE_NEWUSER) == 0).into();
-            libc::write(
-                ready_w.as_raw_fd(),
-                &ok as *const u8 as *const libc::c_void,
-                1,
-            );
-            let mut b = 0u8;
-            libc::read(
-                hold_r.as_raw_fd(),
-                &mut b as *mut u8 as *mut libc::c_void,
-                1,
-            );
+            let say = |ok: bool| {
+                let b: u8 = ok.into();
+                libc::write(
+                    ready_w.as_raw_fd(),
+                    &b as *const u8 as *const libc::c_void,
+                    1,
+                );
+            };
+            let hear = || {
+                let mut b = 0u8;
+                libc::read(
+                    hold_r.as_raw_fd(),
+                    &mut b as *mut u8 as *mut libc::c_void,
+                    1,
+                ) == 1
+            };
+            say(libc::unshare(libc::CLONE_NEWUSER) == 0);
+            // The maps are written: make the network namespace as the new namespace's root.
+            if hear() {
+                say(libc::unshare(libc::CLONE_NEWNET) == 0);
+                hear();
+            }
             libc::_exit(0);
         }
     }
     drop((ready_w, hold_r));
+    let mut ready = std::fs::File::from(ready_r);
+    let mut hold = std::fs::File::from(hold_w);
     let result = (|| {
         let mut ok = [0u8; 1];
-        std::fs::File::from(ready_r)
+        ready
             .read_exact(&mut ok)
             .map_err(|e| format!("user namespace helper: {e}"))?;
         if ok[0] != 1 {
@@ -286,11 +309,26 @@ fn make_userns(ids: IdMap) -> Result<OwnedFd, String> {
             std::fs::write(format!("/proc/{pid}/{f}"), &map)
                 .map_err(|e| format!("write {f} of the user namespace ({map}): {e}"))?;
         }
-        std::fs::File::open(format!("/proc/{pid}/ns/user"))
-            .map(OwnedFd::from)
-            .map_err(|e| format!("open the user namespace: {e}"))
+        let open = |ns: &str| {
+            std::fs::File::open(format!("/proc/{pid}/ns/{ns}"))
+                .map(OwnedFd::from)
+                .map_err(|e| format!("open the helper's {ns} namespace: {e}"))
+        };
+        let user = open("user")?;
+        if !net {
+            return Ok((user, None));
+        }
+        hold.write_all(&[1])
+            .map_err(|e| format!("user namespace helper: {e}"))?;
+        ready
+            .read_exact(&mut ok)
+            .map_err(|e| format!("user namespace helper: {e}"))?;
+        if ok[0] != 1 {
+            return Err("unshare(CLONE_NEWNET) failed in the user namespace".to_string());
+        }
+        Ok((user, Some(open("net")?)))
     })();
-    drop(hold_w);
+    drop(hold);
     let mut st = 0;
     // SAFETY: reap the helper (it exits once `hold` closes).
     unsafe { libc::waitpid(pid, &mut st, 0) };
@@ -299,7 +337,7 @@ fn make_userns(ids: IdMap) -> Result<OwnedFd, String> {
 
 /// Replaces the mount at `root` with an idmapped copy: files the image owns as uid/gid N are
 /// the sandbox's N, that is host id base+N, and what the sandbox writes lands on disk as N.
-fn idmap_mount(root: &Path, userns: &OwnedFd) -> Result<(), String> {
+pub(crate) fn idmap_mount(root: &Path, userns: &OwnedFd) -> Result<(), String> {
     #[repr(C)]
     struct MountAttr {
         attr_set: u64,
@@ -369,7 +407,7 @@ fn idmap_mount(root: &Path, userns: &OwnedFd) -> Result<(), String> {
 
 /// Joins the sandbox's user namespace as its root (full capabilities there, none over the
 /// host; the bounding set is cut right after).
-fn enter_userns(userns: &OwnedFd) -> Result<(), String> {
+pub(crate) fn enter_userns(userns: &OwnedFd) -> Result<(), String> {
     // SAFETY: setns with an fd we own, then credential calls with integer arguments.
     unsafe {
         if libc::setns(userns.as_raw_fd(), libc::CLONE_NEWUSER) != 0 {

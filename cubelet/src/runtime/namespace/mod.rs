@@ -34,30 +34,7 @@ impl Namespace {
         // SAFETY: prctl with integer arguments.
         unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
         let (agent_host, agent_args) = super::container::agent_command(cfg)?;
-        if cfg.sandbox.user_namespace {
-            // Reserved where other tools look, so no user or other range ever overlaps it.
-            for (sub, acc) in [
-                ("/etc/subuid", "/etc/passwd"),
-                ("/etc/subgid", "/etc/group"),
-            ] {
-                let added = subids::reserve(
-                    std::path::Path::new(sub),
-                    std::path::Path::new(acc),
-                    cfg.sandbox.id_base,
-                    cfg.sandbox.id_count,
-                )
-                .map_err(|e| anyhow::anyhow!("user namespace ids: {e}"))?;
-                if added {
-                    tracing::info!(
-                        file = sub,
-                        owner = subids::OWNER,
-                        base = cfg.sandbox.id_base,
-                        count = cfg.sandbox.id_count,
-                        "reserved the sandboxes' host ids"
-                    );
-                }
-            }
-        }
+        let ids = subids::sandbox_ids(&cfg.sandbox).map_err(|e| anyhow::anyhow!(e))?;
         let launch = LaunchSettings {
             self_exe: std::env::current_exe().context("locating own executable")?,
             agent_path: super::container::AGENT_PATH.into(),
@@ -65,10 +42,7 @@ impl Namespace {
             agent_args,
             hostname: cfg.sandbox.hostname.clone(),
             seccomp: cfg.sandbox.seccomp,
-            ids: cfg.sandbox.user_namespace.then_some(init::IdMap {
-                base: cfg.sandbox.id_base,
-                count: cfg.sandbox.id_count,
-            }),
+            ids,
             run_size_mib: cfg.sandbox.run_size_mib,
             tmp_size_mib: cfg.sandbox.tmp_size_mib,
         };

@@ -98,6 +98,37 @@ pub fn reserve(subid: &Path, accounts: &Path, base: u32, count: u32) -> Result<b
     Ok(true)
 }
 
+/// The sandboxes' ids as `[sandbox]` configures them (`user_namespace`, `id_base`,
+/// `id_count`), reserved in `/etc/subuid` and `/etc/subgid` where other tools look, so no user
+/// or other range ever overlaps them; `None` when sandboxes run without a user namespace.
+pub fn sandbox_ids(
+    cfg: &crate::config::SandboxConfig,
+) -> Result<Option<super::init::IdMap>, String> {
+    if !cfg.user_namespace {
+        return Ok(None);
+    }
+    for (sub, acc) in [
+        ("/etc/subuid", "/etc/passwd"),
+        ("/etc/subgid", "/etc/group"),
+    ] {
+        let added = reserve(Path::new(sub), Path::new(acc), cfg.id_base, cfg.id_count)
+            .map_err(|e| format!("user namespace ids: {e}"))?;
+        if added {
+            tracing::info!(
+                file = sub,
+                owner = OWNER,
+                base = cfg.id_base,
+                count = cfg.id_count,
+                "reserved the sandboxes' host ids"
+            );
+        }
+    }
+    Ok(Some(super::init::IdMap {
+        base: cfg.id_base,
+        count: cfg.id_count,
+    }))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
