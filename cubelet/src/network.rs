@@ -599,6 +599,28 @@ pub fn move_guest_link(to: &std::fs::File, id: Option<&GuestIdentity>) -> Result
     })
 }
 
+/// Bind-mounts the namespace file `ns` (`/proc/.../ns/net`, or an open one's
+/// `/proc/self/fd/N`) at `at`, a new empty file: the namespace then outlives its processes and
+/// has a path others can name.
+pub(crate) fn pin_netns(ns: &Path, at: &Path) -> std::io::Result<()> {
+    std::fs::File::create(at)?;
+    let (src, dst) = (cpath(ns), cpath(at));
+    // SAFETY: valid C strings; a bind mount of a namespace file.
+    let r = unsafe {
+        libc::mount(
+            src.as_ptr(),
+            dst.as_ptr(),
+            std::ptr::null(),
+            libc::MS_BIND,
+            std::ptr::null(),
+        )
+    };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// Body of a netns thread: creates and bind-mounts a new network namespace at `path` (or, when
 /// not `create`, enters the one there) and opens a netlink socket inside it. The thread exits
 /// right after; the socket stays in the namespace.
@@ -617,28 +639,14 @@ fn netns_thread(
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir).map_err(ioe("create", dir))?;
         }
-        std::fs::File::create(&path).map_err(ioe("create", &path))?;
         // SAFETY: unshare affects only this thread, which exits right after.
         if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
             return Err(ioe("unshare(NEWNET)", &path)(
                 std::io::Error::last_os_error(),
             ));
         }
-        let src = std::ffi::CString::new("/proc/thread-self/ns/net").unwrap_or_default();
-        let dst = cpath(&path);
-        // SAFETY: valid strings; bind mount of our own namespace file.
-        let r = unsafe {
-            libc::mount(
-                src.as_ptr(),
-                dst.as_ptr(),
-                std::ptr::null(),
-                libc::MS_BIND,
-                std::ptr::null(),
-            )
-        };
-        if r != 0 {
-            return Err(ioe("bind netns", &path)(std::io::Error::last_os_error()));
-        }
+        pin_netns(Path::new("/proc/thread-self/ns/net"), &path)
+            .map_err(ioe("bind netns", &path))?;
     } else {
         let f = std::fs::File::open(&path).map_err(ioe("open", &path))?;
         // SAFETY: setns affects only this thread, which exits right after.

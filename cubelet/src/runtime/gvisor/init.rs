@@ -163,40 +163,16 @@ fn enter_own_userns(spec: &GvisorSpec, ids: IdMap) -> Result<(), String> {
     let (user, net) = ns::make_userns_with(ids, true)?;
     let net = std::fs::File::from(net.ok_or("no network namespace was made")?);
     ns::idmap_mount(&spec.bundle.join(ROOT), &user)?;
-    pin_netns(&net, &spec.bundle.join(NETNS))?;
+    let pin = spec.bundle.join(NETNS);
+    let fd = PathBuf::from(format!("/proc/self/fd/{}", net.as_raw_fd()));
+    crate::network::pin_netns(&fd, &pin)
+        .map_err(|e| format!("pin the network namespace at {}: {e}", pin.display()))?;
     crate::network::move_guest_link(&net, Some(&spec.guest))
         .map_err(|e| format!("the sandbox's eth0: {e}"))?;
     if let Some(image) = &spec.restore {
         share_tree_read(image, ids.host(0))?;
     }
     ns::enter_userns(&user)
-}
-
-/// Bind-mounts the namespace `ns` at `at` (a new empty file), so runsc can name it by path and
-/// it outlives this launcher.
-fn pin_netns(ns: &std::fs::File, at: &Path) -> Result<(), String> {
-    std::fs::File::create(at).map_err(|e| format!("{}: {e}", at.display()))?;
-    let src = std::ffi::CString::new(format!("/proc/self/fd/{}", ns.as_raw_fd()))
-        .map_err(|e| e.to_string())?;
-    let dst = crate::storage::cstr(at);
-    // SAFETY: valid C strings; a bind mount of a namespace file we hold open.
-    if unsafe {
-        libc::mount(
-            src.as_ptr(),
-            dst.as_ptr(),
-            std::ptr::null(),
-            libc::MS_BIND,
-            std::ptr::null(),
-        )
-    } != 0
-    {
-        return Err(format!(
-            "pin the network namespace at {}: {}",
-            at.display(),
-            std::io::Error::last_os_error()
-        ));
-    }
-    Ok(())
 }
 
 /// Lets group `gid` read `dir` and everything under it (directories 0750, files 0640; links
