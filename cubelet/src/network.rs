@@ -604,21 +604,7 @@ pub fn move_guest_link(to: &std::fs::File, id: Option<&GuestIdentity>) -> Result
 /// has a path others can name.
 pub(crate) fn pin_netns(ns: &Path, at: &Path) -> std::io::Result<()> {
     std::fs::File::create(at)?;
-    let (src, dst) = (cpath(ns), cpath(at));
-    // SAFETY: valid C strings; a bind mount of a namespace file.
-    let r = unsafe {
-        libc::mount(
-            src.as_ptr(),
-            dst.as_ptr(),
-            std::ptr::null(),
-            libc::MS_BIND,
-            std::ptr::null(),
-        )
-    };
-    if r != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
+    crate::storage::bind_mount(ns, at)
 }
 
 /// Body of a netns thread: creates and bind-mounts a new network namespace at `path` (or, when

@@ -324,6 +324,25 @@ pub fn unmount(mountpoint: &Path) -> Result<(), StorageError> {
     Ok(())
 }
 
+/// Bind-mounts `src` (a file or a directory) at `dst`, which must exist and be of its kind.
+pub fn bind_mount(src: &Path, dst: &Path) -> std::io::Result<()> {
+    let (s, d) = (cstr(src), cstr(dst));
+    // SAFETY: valid C strings for the duration of the call.
+    let r = unsafe {
+        libc::mount(
+            s.as_ptr(),
+            d.as_ptr(),
+            std::ptr::null(),
+            libc::MS_BIND,
+            std::ptr::null(),
+        )
+    };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 pub(crate) fn cstr(p: &Path) -> std::ffi::CString {
     use std::os::unix::ffi::OsStrExt;
     std::ffi::CString::new(p.as_os_str().as_bytes()).unwrap_or_default()

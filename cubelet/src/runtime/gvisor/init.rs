@@ -57,6 +57,8 @@ pub struct GvisorSpec {
 pub const ROOT: &str = "root";
 /// Where, in a bundle, the network namespace of a sandbox with a user namespace is pinned.
 pub const NETNS: &str = "netns";
+/// Where, in a bundle, the checkpoint a sandbox with a user namespace restores from is bound.
+pub const IMAGE: &str = "image";
 
 /// runsc's own view of a container (`runsc state`).
 #[derive(Debug, Deserialize)]
@@ -110,15 +112,16 @@ fn launch(spec: &GvisorSpec) -> Result<i32, String> {
     crate::runtime::namespace::init::enter(&spec.cgroup_procs, &spec.netns)?;
     // Opened and forked with the host's privileges: the writer drops to nobody itself.
     let log = crate::runtime::namespace::init::spawn_log_writer(&spec.log)?;
-    if let Some(ids) = spec.ids {
-        enter_own_userns(spec, ids)?;
-    }
+    let image = match spec.ids {
+        Some(ids) => enter_own_userns(spec, ids)?,
+        None => spec.restore.clone(),
+    };
     hide_host_net_sysctls()?;
     let out = std::fs::File::from(log);
     let err = out.try_clone().map_err(|e| format!("log pipe: {e}"))?;
     let mut cmd = Command::new(&spec.runsc);
     cmd.args(&spec.flags);
-    match &spec.restore {
+    match &image {
         Some(image) => cmd.arg("restore").arg("--image-path").arg(image),
         None => cmd.arg("run"),
     };
@@ -156,9 +159,10 @@ fn launch(spec: &GvisorSpec) -> Result<i32, String> {
 
 /// Makes the sandbox's user namespace and the network namespace it owns, idmaps the root,
 /// pins the namespace at `<bundle>/netns`, moves `eth0` there and addresses it, lets the
-/// namespace's root read a checkpoint to restore, and joins the user namespace as its root.
-/// Everything that needs host privileges happens here, before the join.
-fn enter_own_userns(spec: &GvisorSpec, ids: IdMap) -> Result<(), String> {
+/// namespace's root read a checkpoint to restore (returned: where runsc finds it), and joins
+/// the user namespace as its root. Everything that needs host privileges happens here, before
+/// the join.
+fn enter_own_userns(spec: &GvisorSpec, ids: IdMap) -> Result<Option<PathBuf>, String> {
     use crate::runtime::namespace::init as ns;
     let (user, net) = ns::make_userns_with(ids, true)?;
     let net = std::fs::File::from(net.ok_or("no network namespace was made")?);
@@ -169,10 +173,21 @@ fn enter_own_userns(spec: &GvisorSpec, ids: IdMap) -> Result<(), String> {
         .map_err(|e| format!("pin the network namespace at {}: {e}", pin.display()))?;
     crate::network::move_guest_link(&net, Some(&spec.guest))
         .map_err(|e| format!("the sandbox's eth0: {e}"))?;
-    if let Some(image) = &spec.restore {
-        share_tree_read(image, ids.host(0))?;
-    }
-    ns::enter_userns(&user)
+    // The checkpoint is bind-mounted into the bundle, which runsc reaches anyway: the
+    // directories above it (a node's data directory) need not be open to the sandbox's ids.
+    let image = match &spec.restore {
+        Some(image) => {
+            share_tree_read(image, ids.host(0))?;
+            let at = spec.bundle.join(IMAGE);
+            std::fs::create_dir_all(&at).map_err(|e| format!("mkdir {}: {e}", at.display()))?;
+            crate::storage::bind_mount(image, &at)
+                .map_err(|e| format!("bind the checkpoint at {}: {e}", at.display()))?;
+            Some(at)
+        }
+        None => None,
+    };
+    ns::enter_userns(&user)?;
+    Ok(image)
 }
 
 /// Lets group `gid` read `dir` and everything under it (directories 0750, files 0640; links

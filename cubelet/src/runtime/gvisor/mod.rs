@@ -214,8 +214,9 @@ impl Gvisor {
         }
         let b = self.bundle_dir(key);
         let root = b.join(init::ROOT);
-        // The root (the loop device goes with its last reference) and the pinned namespace.
-        for m in [&root, &b.join(init::NETNS)] {
+        // The root (the loop device goes with its last reference), the pinned namespace and
+        // the bound checkpoint.
+        for m in [&root, &b.join(init::NETNS), &b.join(init::IMAGE)] {
             if let Ok(c) = std::ffi::CString::new(m.as_os_str().as_encoded_bytes()) {
                 // SAFETY: umount2 on a path we own.
                 unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
