@@ -255,7 +255,7 @@ impl Network {
         // A dedicated thread (it exits, taking the new namespace with it), awaited without
         // blocking the runtime so the concurrent parts of a create keep running.
         std::thread::spawn(move || {
-            let _ = tx.send(netns_thread(path, rt, true));
+            let _ = tx.send(netns_thread(path, rt));
         });
         rx.await
             .map_err(|_| NetError::Hook("netns thread panicked".into()))?
@@ -340,20 +340,6 @@ impl Network {
 
     async fn configure_guest(&self, nsh: &rtnetlink::Handle) -> Result<(), NetError> {
         configure_guest(nsh, &self.identity).await
-    }
-
-    /// Configures the guest side of a wired endpoint again: a user-space network stack that
-    /// ran in the namespace (gVisor) took its addresses and routes with it when it stopped.
-    pub async fn readdress(&self, ep: &Endpoint) -> Result<(), NetError> {
-        let (path, rt) = (ep.netns_path.clone(), tokio::runtime::Handle::current());
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        std::thread::spawn(move || {
-            let _ = tx.send(netns_thread(path, rt, false));
-        });
-        let nsh = rx
-            .await
-            .map_err(|_| NetError::Hook("netns thread panicked".into()))??;
-        self.configure_guest(&nsh).await
     }
 
     /// A microVM's tap as an endpoint: the host end of the guest's virtio-net, configured and
@@ -550,12 +536,13 @@ pub(crate) async fn configure_guest(
     Ok(())
 }
 
-/// Moves the guest end (`eth0`) from the calling thread's network namespace into `to` and,
-/// with `id`, joins `to` (this thread only; the whole process when it has one thread) and
-/// configures it there: moving a link drops its addresses and routes. For a thread outside
-/// any async runtime: it runs one of its own on this thread, and starts no other (a launcher
-/// that joins a user namespace next must stay single-threaded).
-pub fn move_guest_link(to: &std::fs::File, id: Option<&GuestIdentity>) -> Result<(), NetError> {
+/// Runs `f` with a netlink socket opened in the calling thread's network namespace, on an
+/// async runtime of its own on this thread. For a thread outside any async runtime; it starts
+/// no other thread (a launcher that joins a user namespace next must stay single-threaded).
+fn with_netlink<T, F>(f: impl FnOnce(rtnetlink::Handle) -> F) -> Result<T, NetError>
+where
+    F: std::future::Future<Output = Result<T, NetError>>,
+{
     let io = |op: &'static str| {
         move |source| NetError::Io {
             op,
@@ -570,33 +557,35 @@ pub fn move_guest_link(to: &std::fs::File, id: Option<&GuestIdentity>) -> Result
     rt.block_on(async {
         let (conn, h, _) = rtnetlink::new_connection().map_err(io("netlink socket"))?;
         let conn = tokio::spawn(conn);
-        let r = async {
-            let idx = index_of(&h, "eth0")
-                .await?
-                .ok_or_else(|| NetError::NoLink("eth0".into()))?;
-            h.link()
-                .set(idx)
-                .setns_by_fd(to.as_raw_fd())
-                .execute()
-                .await
-                .map_err(nl("move eth0 to another namespace"))
-        }
-        .await;
-        conn.abort();
-        r
-    })?;
-    let Some(id) = id else { return Ok(()) };
-    // SAFETY: setns with an fd the caller owns.
-    if unsafe { libc::setns(to.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-        return Err(io("setns(NEWNET)")(std::io::Error::last_os_error()));
-    }
-    rt.block_on(async {
-        let (conn, h, _) = rtnetlink::new_connection().map_err(io("netlink socket"))?;
-        let conn = tokio::spawn(conn);
-        let r = configure_guest(&h, id).await;
+        let r = f(h).await;
         conn.abort();
         r
     })
+}
+
+/// Moves the guest end (`eth0`) from the calling thread's network namespace into `to`. Its
+/// addresses and routes stay behind ([`address_guest_link`] there). Blocking: see
+/// [`with_netlink`].
+pub fn move_guest_link(to: &std::fs::File) -> Result<(), NetError> {
+    let fd = to.as_raw_fd();
+    with_netlink(|h| async move {
+        let idx = index_of(&h, "eth0")
+            .await?
+            .ok_or_else(|| NetError::NoLink("eth0".into()))?;
+        h.link()
+            .set(idx)
+            .setns_by_fd(fd)
+            .execute()
+            .await
+            .map_err(nl("move eth0 to another namespace"))
+    })
+}
+
+/// [`configure_guest`] in the calling thread's network namespace: a user-space network stack
+/// (gVisor's) takes the addresses with it, so each start sets them again. Blocking: see
+/// [`with_netlink`].
+pub fn address_guest_link(id: &GuestIdentity) -> Result<(), NetError> {
+    with_netlink(|h| async move { configure_guest(&h, id).await })
 }
 
 /// Bind-mounts the namespace file `ns` (`/proc/.../ns/net`, or an open one's
@@ -607,39 +596,26 @@ pub(crate) fn pin_netns(ns: &Path, at: &Path) -> std::io::Result<()> {
     crate::storage::bind_mount(ns, at)
 }
 
-/// Body of a netns thread: creates and bind-mounts a new network namespace at `path` (or, when
-/// not `create`, enters the one there) and opens a netlink socket inside it. The thread exits
+/// Body of a netns thread: creates and bind-mounts a new network namespace at `path` and opens
+/// a netlink socket inside it. The thread exits
 /// right after; the socket stays in the namespace.
-fn netns_thread(
-    path: PathBuf,
-    rt: tokio::runtime::Handle,
-    create: bool,
-) -> Result<rtnetlink::Handle, NetError> {
+fn netns_thread(path: PathBuf, rt: tokio::runtime::Handle) -> Result<rtnetlink::Handle, NetError> {
     let ioe = |op: &'static str, p: &Path| {
         let path = p.display().to_string();
         move |source| NetError::Io { op, path, source }
     };
-    if create {
-        // The run directory may have been removed under a running node (`cubectl down` of a
-        // node it did not stop cleans it): make it again rather than fail every create.
-        if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir).map_err(ioe("create", dir))?;
-        }
-        // SAFETY: unshare affects only this thread, which exits right after.
-        if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
-            return Err(ioe("unshare(NEWNET)", &path)(
-                std::io::Error::last_os_error(),
-            ));
-        }
-        pin_netns(Path::new("/proc/thread-self/ns/net"), &path)
-            .map_err(ioe("bind netns", &path))?;
-    } else {
-        let f = std::fs::File::open(&path).map_err(ioe("open", &path))?;
-        // SAFETY: setns affects only this thread, which exits right after.
-        if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-            return Err(ioe("setns(NEWNET)", &path)(std::io::Error::last_os_error()));
-        }
+    // The run directory may have been removed under a running node (`cubectl down` of a node
+    // it did not stop cleans it): make it again rather than fail every create.
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(ioe("create", dir))?;
     }
+    // SAFETY: unshare affects only this thread, which exits right after.
+    if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
+        return Err(ioe("unshare(NEWNET)", &path)(
+            std::io::Error::last_os_error(),
+        ));
+    }
+    pin_netns(Path::new("/proc/thread-self/ns/net"), &path).map_err(ioe("bind netns", &path))?;
     let _g = rt.enter();
     let (conn, handle, _) = rtnetlink::new_connection().map_err(ioe("netlink socket", &path))?;
     rt.spawn(conn);

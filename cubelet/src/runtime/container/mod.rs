@@ -716,9 +716,8 @@ impl<L: Launcher> Container<L> {
     }
 
     /// Starts PID 1 of a sandbox that has none again, afresh or from the checkpoint
-    /// `restore`, in its own namespace (addressed again: a user-space network stack took the
-    /// addresses with it when it stopped; a kernel one kept them) and cgroup, and waits for its
-    /// agent. On failure its processes are ended again.
+    /// `restore`, on its own endpoint and cgroup, and waits for its agent. On failure its
+    /// processes are ended again.
     async fn relaunch(
         &self,
         st: &mut SandboxState,
@@ -730,10 +729,6 @@ impl<L: Launcher> Container<L> {
             .endpoint
             .clone()
             .ok_or_else(|| NodeError::Internal("sandbox has no network endpoint".into()))?;
-        h.net
-            .readdress(&ep)
-            .await
-            .map_err(|e| NodeError::Internal(format!("network endpoint: {e}")))?;
         let what = if restore.is_some() {
             "restore"
         } else {

@@ -48,7 +48,7 @@ pub struct GvisorSpec {
     /// The sandbox's user namespace (see the module's comment), if it has one.
     #[serde(default)]
     pub ids: Option<IdMap>,
-    /// The guest end's addresses, set again in the namespace `eth0` moves to.
+    /// The guest end's addresses, set at every start (netstack takes them when it stops).
     #[serde(default)]
     pub guest: GuestIdentity,
 }
@@ -114,7 +114,13 @@ fn launch(spec: &GvisorSpec) -> Result<i32, String> {
     let log = crate::runtime::namespace::init::spawn_log_writer(&spec.log)?;
     let image = match spec.ids {
         Some(ids) => enter_own_userns(spec, ids)?,
-        None => spec.restore.clone(),
+        None => {
+            // The endpoint's own namespace: addressed again, as a previous start's netstack
+            // took the addresses with it.
+            crate::network::address_guest_link(&spec.guest)
+                .map_err(|e| format!("the sandbox's eth0: {e}"))?;
+            spec.restore.clone()
+        }
     };
     hide_host_net_sysctls()?;
     let out = std::fs::File::from(log);
@@ -171,7 +177,15 @@ fn enter_own_userns(spec: &GvisorSpec, ids: IdMap) -> Result<Option<PathBuf>, St
     let fd = PathBuf::from(format!("/proc/self/fd/{}", net.as_raw_fd()));
     crate::network::pin_netns(&fd, &pin)
         .map_err(|e| format!("pin the network namespace at {}: {e}", pin.display()))?;
-    crate::network::move_guest_link(&net, Some(&spec.guest))
+    crate::network::move_guest_link(&net).map_err(|e| format!("the sandbox's eth0: {e}"))?;
+    // SAFETY: setns with an fd we own; this process is single-threaded.
+    if unsafe { libc::setns(net.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+        return Err(format!(
+            "join the sandbox's network namespace: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    crate::network::address_guest_link(&spec.guest)
         .map_err(|e| format!("the sandbox's eth0: {e}"))?;
     // The checkpoint is bind-mounted into the bundle, which runsc reaches anyway: the
     // directories above it (a node's data directory) need not be open to the sandbox's ids.
@@ -237,7 +251,7 @@ pub fn return_guest_link(bundle: &Path, to: &Path) -> Result<(), String> {
             ));
         }
         let t = std::fs::File::open(&to).map_err(|e| format!("{}: {e}", to.display()))?;
-        crate::network::move_guest_link(&t, None).map_err(|e| e.to_string())
+        crate::network::move_guest_link(&t).map_err(|e| e.to_string())
     })
     .join()
     .map_err(|_| "the thread moving eth0 panicked".to_string())?
