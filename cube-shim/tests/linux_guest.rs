@@ -96,15 +96,21 @@ fn serve_inits(listener: UnixListener, values: Vec<&'static str>) -> mpsc::Recei
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
         let mut held: Vec<UnixStream> = Vec::new();
+        let t0 = Instant::now();
+        // Each stage is printed, so a failure says how far the guest got.
+        let stage = |v: &str, what: &str| eprintln!("init {v:?}: {what} at {:?}", t0.elapsed());
         for v in values {
             let (mut s, _) = listener.accept().unwrap();
+            stage(v, "guest connected");
             s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
             let mut hello = [0u8; 4];
             s.read_exact(&mut hello).unwrap();
             assert_eq!(&hello, b"redy");
             s.write_all(&payload("CUBE_LINUX_TEST", v)).unwrap();
+            stage(v, "redy answered");
             let mut rest = Vec::new();
             s.read_to_end(&mut rest).unwrap();
+            stage(v, "acknowledged");
             held.push(s);
             if tx.send(v).is_err() {
                 return;
@@ -240,9 +246,11 @@ fn a_linux_guest_with_cube_agent_is_snapshotted_restored_initialised_and_resumed
         })
         .unwrap();
     assert!(matches!(r, Reply::Restored { .. }), "{r:?}");
+    eprintln!("restore returned in {:?}", t1.elapsed());
     // The restored agent finds its vsock connection reset and asks again.
     assert_eq!(
-        acks.recv_timeout(Duration::from_secs(120)).unwrap(),
+        acks.recv_timeout(Duration::from_secs(120))
+            .expect("the restored agent's init (see the init stages above)"),
         "first"
     );
     eprintln!("restored and initialised in {:?}", t1.elapsed());
@@ -265,7 +273,8 @@ fn a_linux_guest_with_cube_agent_is_snapshotted_restored_initialised_and_resumed
     })
     .unwrap();
     assert_eq!(
-        acks.recv_timeout(Duration::from_secs(120)).unwrap(),
+        acks.recv_timeout(Duration::from_secs(120))
+            .expect("the resumed agent's init (see the init stages above)"),
         "after-resume"
     );
     let (code, body) = envd_get("/envs", Duration::from_secs(60));

@@ -58,6 +58,11 @@ step() {
 		res=PASS
 	else
 		res=FAIL
+		# A failing test may print a long guest console after its panic message: repeat the
+		# message last, so the tail run.sh shows says why.
+		if grep -q "panicked at" "$R/$name.log"; then
+			{ echo "--- why (the panic messages above, again)"; grep -A4 "panicked at" "$R/$name.log" | tail -n 20; } >>"$R/$name.log"
+		fi
 		if ((rc == 124 || rc == 137)); then
 			why=" timeout"
 			{
