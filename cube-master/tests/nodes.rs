@@ -378,6 +378,40 @@ both_backends!(
     super::periodic_reconcile
 );
 
+/// A create's timeout counts from when the sandbox is ready: the node sets that end itself
+/// (`timeout_ms`) and the master records the node's end, with no SetEndTime after; a node
+/// that keeps the create's backstop end (one from before `timeout_ms`) is told the end.
+async fn create_end_counts_from_ready(url: String) {
+    for ignores_timeout in [false, true] {
+        let node = std::sync::Arc::new(FakeNode {
+            id: format!("end{}", u8::from(ignores_timeout)),
+            templates: vec!["base".into()],
+            ignores_timeout,
+            create_delay_ms: 200,
+            ..Default::default()
+        });
+        let (addr, _stop) = serve(node.clone()).await;
+        let ctl = controller(&url, std::slice::from_ref(&addr), MasterConfig::default()).await;
+        ctl.nodes.poll_once().await;
+        let before = cube_master::now_ms();
+        let a = ctl.create(params()).await.unwrap();
+        let after = cube_master::now_ms();
+        let row = ctl.db.get_sandbox(&a.id).await.unwrap().unwrap();
+        let on_node = node.ends.lock().unwrap().get(&a.id).copied().unwrap_or(0) as i64;
+        assert_eq!(on_node, row.end_at_ms, "ignores_timeout={ignores_timeout}");
+        assert_eq!(row.end_at_ms - row.started_at_ms, 600_000);
+        // Counted from when it was ready (after the node's 200 ms), not from the request.
+        assert!(
+            row.started_at_ms >= before + 200 && row.started_at_ms <= after,
+            "started {} not in [{}, {after}]",
+            row.started_at_ms,
+            before + 200
+        );
+        assert_eq!(a.end_at_ms, row.end_at_ms);
+    }
+}
+both_backends!(create_end, super::create_end_counts_from_ready);
+
 async fn static_node_down_marks_lost(url: String) {
     let node = FakeNode::new("st");
     let (addr, stop) = serve(node.clone()).await;

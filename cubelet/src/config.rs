@@ -231,6 +231,9 @@ pub struct PoolConfig {
     pub disk_templates: Vec<String>,
     /// How often the refiller checks levels, in milliseconds.
     pub refill_interval_ms: u64,
+    /// After a create takes a pre-started sandbox, how long its replacement waits, in
+    /// milliseconds, so that starting it does not slow the rest of that create (0 = at once).
+    pub refill_delay_ms: u64,
     /// Pre-started sandboxes started at once while refilling (0 = one per CPU, at most 4):
     /// one at a time cannot keep up with creates that each take a pooled sandbox.
     pub refill_parallelism: u32,
@@ -322,6 +325,7 @@ impl Default for PoolConfig {
             started: BTreeMap::new(),
             disk_templates: vec![],
             refill_interval_ms: 200,
+            refill_delay_ms: 50,
             refill_parallelism: 0,
             claim_wait_ms: 2000,
         }

@@ -300,6 +300,7 @@ impl pb::node_server::Node for NodeService {
             ready_timeout_ms: r.ready_timeout_ms,
             from_snapshot: r.from_snapshot,
             end_at_ms: r.end_at_ms,
+            timeout_ms: r.timeout_ms,
         };
         let st = self.node.create(cr).await?;
         Ok(Response::new(sandbox_to(&self.node, &st)))

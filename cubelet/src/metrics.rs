@@ -18,7 +18,8 @@ pub struct Metrics {
     /// `cube_create_phase_seconds{phase}`: time spent in each phase of a create that did not
     /// come from the started pool: `disk`, `endpoint` (netns), `cgroup` (concurrent; `prepare`
     /// is their wall time), `launch` (with `veth` and `policy` concurrent), `healthy`, `init`,
-    /// `total`.
+    /// `total`; and of one that did (container runtimes): `pool_claim`, `pool_adopt`,
+    /// `pool_init`.
     pub create_phase: HistogramVec,
     /// `cube_sandbox_operations_total{op, result}`.
     pub operations: IntCounterVec,
@@ -63,7 +64,7 @@ impl Metrics {
         let create_phase = HistogramVec::new(
             HistogramOpts::new(
                 "cube_create_phase_seconds",
-                "Time per phase of a CreateSandbox that did not come from the started pool",
+                "Time per phase of a CreateSandbox (pool_*: one taken from the started pool)",
             )
             .buckets(vec![
                 0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0, 10.0,

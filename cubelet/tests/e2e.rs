@@ -882,10 +882,18 @@ async fn pools_serve_creates_and_churn_leaves_nothing() {
             network_pool: 8,
             disk_pool: 4,
             started: 2,
+            refill_delay_ms: Some(1500),
             ..Default::default()
         },
     );
     let mut cl = c.start().await;
+    let started_ready = |st: &pb::NodeStatusResponse| {
+        st.pools
+            .iter()
+            .find(|p| p.pool == "started")
+            .map(|p| p.ready)
+            .unwrap_or(0)
+    };
     // Wait for the started pool to fill.
     let t = std::time::Instant::now();
     loop {
@@ -894,7 +902,7 @@ async fn pools_serve_creates_and_churn_leaves_nothing() {
             .await
             .unwrap()
             .into_inner();
-        if st.pools.iter().any(|p| p.pool == "started" && p.ready >= 2) {
+        if started_ready(&st) >= 2 {
             break;
         }
         assert!(
@@ -911,6 +919,38 @@ async fn pools_serve_creates_and_churn_leaves_nothing() {
         .unwrap()
         .into_inner();
     assert!(sb.from_pool);
+    // The replacement waits `refill_delay_ms` (the 50 ms refill interval does not start it
+    // early), then comes.
+    let taken = std::time::Instant::now();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let st = cl
+        .node_status(pb::NodeStatusRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        started_ready(&st),
+        1,
+        "refilled during the delay: {:?}",
+        st.pools
+    );
+    loop {
+        let st = cl
+            .node_status(pb::NodeStatusRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        if started_ready(&st) >= 2 {
+            assert!(taken.elapsed() >= Duration::from_millis(1500));
+            break;
+        }
+        assert!(
+            taken.elapsed() < Duration::from_secs(30),
+            "started pool did not refill: {:?}",
+            st.pools
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     assert_eq!(
         sh(&sb, "echo $FOO").await.1,
         "bar\n",
@@ -975,6 +1015,31 @@ async fn the_node_ends_sandboxes_their_master_left_past_their_end() {
         assert_eq!(sb.end_at_ms, now + 600_000);
         ids.push(sb);
     }
+    // With `timeout_ms`, the end counts from when the sandbox is ready (end_at_ms ignored).
+    let mut r = create_req("end4");
+    r.end_at_ms = 1;
+    r.timeout_ms = 600_000;
+    let before = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let sb = cl.create_sandbox(r).await.unwrap().into_inner();
+    let after = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    assert!(
+        (before + 600_000..=after + 600_000).contains(&sb.end_at_ms),
+        "{} not in [{}, {}]",
+        sb.end_at_ms,
+        before + 600_000,
+        after + 600_000
+    );
+    cl.kill_sandbox(pb::SandboxRef {
+        sandbox_id: "end4".into(),
+    })
+    .await
+    .unwrap();
     cl.pause_sandbox(pb::PauseSandboxRequest {
         sandbox_id: "end3".into(),
         ..Default::default()

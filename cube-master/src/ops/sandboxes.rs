@@ -30,6 +30,13 @@ fn valid_template(t: &str) -> bool {
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
 }
 
+/// A sandbox a node created, and the end it set itself (None: a node that does not count
+/// `timeout_ms`, or none asked).
+struct Created {
+    sb: node::Sandbox,
+    node_end_ms: Option<i64>,
+}
+
 impl Controller {
     fn check_timeout(&self, t: u64) -> Result<(), MasterError> {
         if t == 0 {
@@ -270,9 +277,9 @@ impl Controller {
             let mut last_err = None;
             for n in cands {
                 match self.create_on(&n, &row, &p, pinned_snapshot).await {
-                    Ok(sb) => {
+                    Ok(made) => {
                         self.nodes.placed(&n.address);
-                        return match self.record_created(&n, &mut row, &p, &sb).await {
+                        return match self.record_created(&n, &mut row, &p, &made).await {
                             Ok(()) => {
                                 tracing::info!(node = %row.node_id, agent = %row.agent_address, "sandbox running");
                                 Ok(row)
@@ -315,8 +322,9 @@ impl Controller {
         n: &Node,
         row: &mut SandboxRow,
         p: &CreateParams,
-        sb: &node::Sandbox,
+        made: &Created,
     ) -> Result<(), MasterError> {
+        let sb = &made.sb;
         row.node_id = n.id();
         row.agent_address = sb.agent_address.clone();
         row.host_interface = sb.host_interface.clone();
@@ -330,28 +338,25 @@ impl Controller {
         } else {
             sb.envd_version.clone()
         };
-        self.db.set_placement(row).await?;
-        // The timeout counts from when the sandbox is usable.
-        let start = crate::now_ms();
-        row.started_at_ms = start;
-        row.end_at_ms = start + (p.timeout_s as i64) * 1000;
-        self.set_end(row, row.end_at_ms).await?;
-        if !self
-            .db
-            .transition(
-                &row.id,
-                SandboxState::Creating,
-                SandboxState::Running,
-                "created",
-            )
-            .await?
-        {
+        // The timeout counts from when the sandbox is usable; the node counted it already
+        // (`timeout_ms`), and its end is the one recorded. Placement, times and state in one
+        // write.
+        let timeout_ms = (p.timeout_s as i64) * 1000;
+        row.end_at_ms = made
+            .node_end_ms
+            .unwrap_or_else(|| crate::now_ms() + timeout_ms);
+        row.started_at_ms = row.end_at_ms - timeout_ms;
+        if !self.db.record_created(row, "created").await? {
             return Err(MasterError::Internal(format!(
                 "sandbox {} left creating meanwhile",
                 row.id
             )));
         }
         row.state = SandboxState::Running;
+        let end = node_end(row, row.end_at_ms);
+        if made.node_end_ms.is_none() && end != 0 {
+            self.tell_end(n, &row.id, end).await;
+        }
         Ok(())
     }
 
@@ -385,13 +390,14 @@ impl Controller {
         }
     }
 
+    /// Creates the sandbox on `n`.
     async fn create_on(
         &self,
         n: &Node,
         row: &SandboxRow,
         p: &CreateParams,
         from_snapshot: bool,
-    ) -> Result<node::Sandbox, MasterError> {
+    ) -> Result<Created, MasterError> {
         let req = node::CreateSandboxRequest {
             template: p.template.clone(),
             build: String::new(),
@@ -431,11 +437,21 @@ impl Controller {
                     + p.timeout_s as i64 * 1000,
             ))
             .unwrap_or(0),
+            // The node counts the timeout from when the sandbox is ready: no SetEndTime after.
+            timeout_ms: u64::try_from(node_end(row, p.timeout_s as i64 * 1000)).unwrap_or(0),
         };
+        let (backstop, counts) = (req.end_at_ms, req.timeout_ms > 0);
         let mut c = n.client.clone();
         let t = Duration::from_millis(self.cfg.create_timeout_ms);
         match tokio::time::timeout(t, c.create_sandbox(req)).await {
-            Ok(Ok(r)) => Ok(r.into_inner()),
+            Ok(Ok(r)) => {
+                let sb = r.into_inner();
+                // A node from before `timeout_ms` keeps the backstop: it is told the end.
+                let node_end_ms = (counts && sb.end_at_ms != 0 && sb.end_at_ms != backstop)
+                    .then(|| i64::try_from(sb.end_at_ms).ok())
+                    .flatten();
+                Ok(Created { sb, node_end_ms })
+            }
             Ok(Err(status)) => Err(MasterError::Node {
                 node: n.address.clone(),
                 status: Box::new(status),

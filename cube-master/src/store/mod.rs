@@ -443,11 +443,13 @@ impl Db {
         Ok(r.rows_affected() == 1)
     }
 
-    /// Records where a created sandbox lives.
-    pub async fn set_placement(&self, r: &SandboxRow) -> Result<(), MasterError> {
-        sqlx::query(
+    /// Records a sandbox its node created: where it lives, its start and end, and the
+    /// transition `creating` -> `running` (false when it is no longer `creating`).
+    pub async fn record_created(&self, r: &SandboxRow, reason: &str) -> Result<bool, MasterError> {
+        let res = sqlx::query(
             "UPDATE sandboxes SET node_id = $1, agent_address = $2, host_interface = $3, build = $4, \
-             envd_version = $5, runtime = $6, disk_mib = $7, updated_at_ms = $8 WHERE id = $9",
+             envd_version = $5, runtime = $6, disk_mib = $7, started_at_ms = $8, end_at_ms = $9, \
+             state = $10, reason = $11, updated_at_ms = $12 WHERE id = $13 AND state = $14",
         )
         .bind(&r.node_id)
         .bind(&r.agent_address)
@@ -456,11 +458,16 @@ impl Db {
         .bind(&r.envd_version)
         .bind(&r.runtime)
         .bind(r.disk_mib)
+        .bind(r.started_at_ms)
+        .bind(r.end_at_ms)
+        .bind(SandboxState::Running.as_str())
+        .bind(reason)
         .bind(crate::now_ms())
         .bind(&r.id)
+        .bind(SandboxState::Creating.as_str())
         .execute(&self.pool)
         .await?;
-        Ok(())
+        Ok(res.rows_affected() == 1)
     }
 
     /// What the sandbox's pause kept (`full`, `filesystem`; empty once it runs again).

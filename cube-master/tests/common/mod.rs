@@ -145,6 +145,8 @@ pub struct FakeNode {
     pub fail_create: bool,
     /// How long each create takes (a real node clones, starts, initialises).
     pub create_delay_ms: u64,
+    /// Behaves as a node from before `timeout_ms`: keeps the create's `end_at_ms`.
+    pub ignores_timeout: bool,
     pub sandboxes: Mutex<BTreeMap<String, i32>>,
     /// When each sandbox was created (unix ms; absent = 0, long ago).
     pub created_ms: Mutex<BTreeMap<String, u64>>,
@@ -232,17 +234,26 @@ impl Node for Handle {
             .lock()
             .unwrap()
             .insert(r.sandbox_id.clone(), cube_master::now_ms() as u64);
+        // As cubelet does: a timeout counts from when the sandbox is ready.
+        let end = if r.timeout_ms > 0 && !self.0.ignores_timeout {
+            cube_master::now_ms() as u64 + r.timeout_ms
+        } else {
+            r.end_at_ms
+        };
         self.0
             .ends
             .lock()
             .unwrap()
-            .insert(r.sandbox_id.clone(), r.end_at_ms);
+            .insert(r.sandbox_id.clone(), end);
         let n = r.network.unwrap_or_default();
         self.0.egress.lock().unwrap().insert(
             r.sandbox_id.clone(),
             (n.internet, n.allow_cidrs, n.deny_cidrs),
         );
-        Ok(Response::new(sb(&r.sandbox_id, st)))
+        Ok(Response::new(pb::Sandbox {
+            end_at_ms: end,
+            ..sb(&r.sandbox_id, st)
+        }))
     }
     async fn kill_sandbox(&self, r: Request<pb::SandboxRef>) -> R<pb::KillSandboxResponse> {
         self.0.kills.fetch_add(1, Ordering::SeqCst);

@@ -40,6 +40,8 @@ pub struct CreateRequest {
     pub from_snapshot: bool,
     /// When it ends (unix ms; 0 = no end), see [`Node::set_end_time`].
     pub end_at_ms: u64,
+    /// When non-zero, it ends this long after it is ready instead (`end_at_ms` ignored).
+    pub timeout_ms: u64,
 }
 
 type Entry = Arc<tokio::sync::Mutex<SandboxState>>;
@@ -153,6 +155,7 @@ impl Node {
             pool_disk_dir,
             pools: SharedPools::default(),
             wake: tokio::sync::Notify::new(),
+            refill_hold: std::sync::Mutex::new(None),
             shutdown,
         });
         let runtime = crate::runtime::build(&selection, host.clone())
@@ -313,6 +316,9 @@ impl Node {
                 // A pooled sandbox's state may have replaced this one's fields.
                 st.envd_version = manifest.agent_version.clone();
                 st.create_latency_us = t0.elapsed().as_micros() as u64;
+                if req.timeout_ms > 0 {
+                    st.end_at_ms = crate::template::now_ms().saturating_add(req.timeout_ms);
+                }
                 h.save(&req.id, st).map(|_| c)
             }
             Err(e) => Err(e),

@@ -17,9 +17,13 @@ impl Node {
             let interval = Duration::from_millis(node.host.cfg.pools.refill_interval_ms.max(10));
             loop {
                 node.refill_once().await;
+                let wait = node
+                    .host
+                    .refill_hold_left()
+                    .map_or(interval, |held| held.min(interval));
                 tokio::select! {
                     _ = node.host.wake.notified() => {}
-                    _ = tokio::time::sleep(interval) => {}
+                    _ = tokio::time::sleep(wait) => {}
                     _ = stop.changed() => break,
                 }
                 if *stop.borrow() {
@@ -38,7 +42,9 @@ impl Node {
         }
         self.check_failures();
         self.end_overdue().await;
-        self.runtime.refill().await;
+        if self.host.refill_hold_left().is_none() {
+            self.runtime.refill().await;
+        }
         self.update_gauges();
     }
 

@@ -45,6 +45,8 @@ pub struct Host {
     pub pools: SharedPools,
     /// Wakes the refiller (a pool entry was taken).
     pub wake: tokio::sync::Notify,
+    /// Until when the refiller leaves the pools alone (see [`Host::defer_refill`]).
+    pub refill_hold: Mutex<Option<Instant>>,
     pub shutdown: tokio::sync::watch::Sender<bool>,
 }
 
@@ -80,6 +82,33 @@ impl Host {
 
     pub fn shutting_down(&self) -> bool {
         *self.shutdown.borrow()
+    }
+
+    /// A create took a pooled entry: its replacement starts `pools.refill_delay_ms` later,
+    /// so that the start (runsc: about half a second of CPU) does not compete with the rest of
+    /// that create's path (its /init, the master's records, the API's answer). Creates during
+    /// the hold do not extend it, so a stream of creates cannot keep the pool from refilling.
+    pub fn defer_refill(&self) {
+        let delay = Duration::from_millis(self.cfg.pools.refill_delay_ms);
+        if !delay.is_zero() {
+            let now = Instant::now();
+            let mut hold = self.refill_hold.lock().unwrap_or_else(|p| p.into_inner());
+            if hold.is_none_or(|until| until <= now) {
+                *hold = Some(now + delay);
+            }
+        }
+        // The refiller sleeps until the hold ends (see `refill_hold_left`).
+        self.wake.notify_one();
+    }
+
+    /// How long pool refills are still held (None: not held; an expired hold is cleared).
+    pub fn refill_hold_left(&self) -> Option<Duration> {
+        let mut hold = self.refill_hold.lock().unwrap_or_else(|p| p.into_inner());
+        let left = hold.and_then(|until| until.checked_duration_since(Instant::now()));
+        if left.is_none() {
+            *hold = None;
+        }
+        left.filter(|l| !l.is_zero())
     }
 
     /// Records one phase of a create in `cube_create_phase_seconds{phase}`.

@@ -87,6 +87,8 @@ pub struct Opts {
     pub end_grace_s: Option<u64>,
     /// `gvisor.pause_to_disk = true`.
     pub gvisor_pause_to_disk: bool,
+    /// `pools.refill_delay_ms` (None: cubelet's default).
+    pub refill_delay_ms: Option<u64>,
 }
 
 /// Programs of the `mini` template (the defaults plus netcat and timeout for network tests).
@@ -136,7 +138,7 @@ network_recycle = {recycle}
 disks = {disks}
 disk_templates = [{dt}]
 refill_interval_ms = 50
-[network]
+{refill_delay}[network]
 switch = "{switch}"
 [journal]
 sample_interval_ms = 500
@@ -169,6 +171,10 @@ nft_table = "{nft_table}"
             end_grace = o
                 .end_grace_s
                 .map(|g| format!("end_grace_s = {g}\n"))
+                .unwrap_or_default(),
+            refill_delay = o
+                .refill_delay_ms
+                .map(|d| format!("refill_delay_ms = {d}\n"))
                 .unwrap_or_default(),
             net = o.network_pool,
             recycle = o.network_recycle.unwrap_or(o.network_pool),

@@ -415,10 +415,12 @@ impl<L: Launcher> Runtime for Container<L> {
             None
         };
         let from_pool = pooled.is_some();
+        let claim_t = t0.elapsed();
         match pooled {
             Some(p) => self.adopt_pooled(p, st)?,
             None => self.cold_start(spec, st, restore).await?,
         }
+        let adopt_t = t0.elapsed() - claim_t;
         let ep = st
             .endpoint
             .clone()
@@ -435,7 +437,11 @@ impl<L: Launcher> Runtime for Container<L> {
             .map_err(|e| NodeError::Internal(format!("sandbox {}: /init: {e}", st.id)))?;
         // Kept for a start afresh (a resume after a pause without memory).
         st.init = Some(spec.init.clone());
-        if !from_pool {
+        if from_pool {
+            h.phase("pool_claim", claim_t);
+            h.phase("pool_adopt", adopt_t);
+            h.phase("pool_init", ti.elapsed());
+        } else {
             h.phase("init", ti.elapsed());
             h.phase("total", t0.elapsed());
         }

@@ -93,7 +93,7 @@ impl StartedPool {
         let v = s.get_mut(template)?;
         let i = v.iter().rposition(|p| usable(p, build))?;
         let p = v.remove(i);
-        h.wake.notify_one();
+        h.defer_refill();
         Some(p)
     }
 
@@ -132,7 +132,8 @@ impl StartedPool {
                 .map(|s| s.get(template).map(|v| v.len()).unwrap_or(0))
                 .unwrap_or(usize::MAX);
             let want = target.saturating_sub(have).min(par);
-            if want == 0 || h.shutting_down() {
+            // A create may take an entry while this pass runs: its hold counts here too.
+            if want == 0 || h.shutting_down() || h.refill_hold_left().is_some() {
                 break;
             }
             if let Ok(mut m) = self.starting.lock() {

@@ -240,7 +240,7 @@ impl Microvm {
             let from_pool = pooled.is_some();
             let r = match pooled {
                 Some(s) => {
-                    self.host.wake.notify_one();
+                    self.host.defer_refill();
                     Ok(s)
                 }
                 None => self.spawn_shim(vcpus, mem, Some(snap.clone())).await,
