@@ -869,6 +869,42 @@ async fn http_get(addr: &str, path: &str) -> String {
     b
 }
 
+/// Ready sandboxes in the node's started pool.
+fn started_ready(st: &pb::NodeStatusResponse) -> u32 {
+    st.pools
+        .iter()
+        .find(|p| p.pool == "started")
+        .map(|p| p.ready)
+        .unwrap_or(0)
+}
+
+/// Polls until the started pool holds `n` ready sandboxes (fails after `limit`).
+async fn until_started(
+    cl: &mut pb::node_client::NodeClient<tonic::transport::Channel>,
+    n: u32,
+    limit: Duration,
+    c: &Cubelet,
+) {
+    let t = std::time::Instant::now();
+    loop {
+        let st = cl
+            .node_status(pb::NodeStatusRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        if started_ready(&st) >= n {
+            return;
+        }
+        assert!(
+            t.elapsed() < limit,
+            "started pool did not reach {n}: {:?}\n{}",
+            st.pools,
+            c.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pools_serve_creates_and_churn_leaves_nothing() {
     cube_testkit::require_priv!("cubelet::pools_churn");
@@ -887,32 +923,7 @@ async fn pools_serve_creates_and_churn_leaves_nothing() {
         },
     );
     let mut cl = c.start().await;
-    let started_ready = |st: &pb::NodeStatusResponse| {
-        st.pools
-            .iter()
-            .find(|p| p.pool == "started")
-            .map(|p| p.ready)
-            .unwrap_or(0)
-    };
-    // Wait for the started pool to fill.
-    let t = std::time::Instant::now();
-    loop {
-        let st = cl
-            .node_status(pb::NodeStatusRequest {})
-            .await
-            .unwrap()
-            .into_inner();
-        if started_ready(&st) >= 2 {
-            break;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(60),
-            "started pool did not fill: {:?}\n{}",
-            st.pools,
-            c.log()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    until_started(&mut cl, 2, Duration::from_secs(60), &c).await;
     let sb = cl
         .create_sandbox(create_req("pooled1"))
         .await
@@ -934,23 +945,8 @@ async fn pools_serve_creates_and_churn_leaves_nothing() {
         "refilled during the delay: {:?}",
         st.pools
     );
-    loop {
-        let st = cl
-            .node_status(pb::NodeStatusRequest {})
-            .await
-            .unwrap()
-            .into_inner();
-        if started_ready(&st) >= 2 {
-            assert!(taken.elapsed() >= Duration::from_millis(1500));
-            break;
-        }
-        assert!(
-            taken.elapsed() < Duration::from_secs(30),
-            "started pool did not refill: {:?}",
-            st.pools
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    until_started(&mut cl, 2, Duration::from_secs(30), &c).await;
+    assert!(taken.elapsed() >= Duration::from_millis(1500));
     assert_eq!(
         sh(&sb, "echo $FOO").await.1,
         "bar\n",
