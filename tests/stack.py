@@ -414,11 +414,13 @@ def cleanup_node(root, cgroup_parent):
             os.rmdir(d)
         except OSError:
             pass
-    netns = os.path.join(root, "run", "netns")
-    if os.path.isdir(netns):
-        for e in os.scandir(netns):
-            subprocess.run(["umount", "-l", e.path], stderr=subprocess.DEVNULL)
-    subprocess.run(["umount", "-l", os.path.join(root, "data")], stderr=subprocess.DEVNULL)
+    # Whatever is still mounted under `root`, deepest first: pinned network namespaces, the
+    # data directory, and a gVisor sandbox's bundle (its disk, its own namespace's pin).
+    with open("/proc/self/mounts") as f:
+        mounts = [line.split()[1] for line in f]
+    for m in sorted((m for m in mounts if m == root or m.startswith(root + "/")),
+                    key=len, reverse=True):
+        subprocess.run(["umount", "-l", m], stderr=subprocess.DEVNULL)
     if os.environ.get("CUBE_E2E_KEEP") != "1":
         shutil.rmtree(root, ignore_errors=True)
 
