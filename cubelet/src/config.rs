@@ -143,11 +143,13 @@ impl Default for MicroVmConfig {
 pub struct GvisorConfig {
     /// The runsc binary (Debian: `runsc` from bookworm-backports).
     pub runsc: PathBuf,
-    /// gVisor platform: "ptrace" or "systrap" ("kvm" needs VMX/SVM). ptrace by default: with
-    /// Debian's runsc (0.0~20240729) an idle systrap sandbox keeps a 1 ms timer going in its
-    /// Sentry and burns ~3.5 % of a CPU (a 2-core host saturated at ~130 idle sandboxes), an
-    /// idle ptrace one ~0.2 %; on the PVM build machines ptrace is also the faster one
-    /// (create 11.9 vs 14.8 ms, create + first command 47 vs 77 ms p50).
+    /// gVisor platform: "systrap" or "ptrace" ("kvm" needs VMX/SVM). With Debian's runsc
+    /// (0.0~20240729) on the PVM build machines, ptrace is faster (pool create 11.9 vs 14.8 ms,
+    /// create + first command 47 vs 77 ms p50) and an idle ptrace sandbox costs ~0.2 % of a CPU
+    /// where an idle systrap one keeps a 1 ms timer going and costs ~3.5 % (a 2-core host
+    /// saturates at ~130 idle systrap sandboxes); but 2 of 12 sandboxes restored from a
+    /// snapshot on ptrace came back with their agent wedged (gVisor #13920/#14147), against 0 of
+    /// 20 on systrap, so systrap stays the default until a wedged restore is retried.
     pub platform: String,
     /// More runsc flags, before the command (e.g. "--debug").
     pub extra_args: Vec<String>,
@@ -163,7 +165,7 @@ impl Default for GvisorConfig {
     fn default() -> Self {
         GvisorConfig {
             runsc: "/usr/bin/runsc".into(),
-            platform: "ptrace".into(),
+            platform: "systrap".into(),
             extra_args: Vec::new(),
             pause_to_disk: false,
         }

@@ -80,7 +80,7 @@ def cube_microvm():
 
 @pytest.fixture(scope="module")
 def cube_gvisor(request):
-    """A stack whose cubelet runs the gvisor runtime (runsc, ptrace platform): the session's
+    """A stack whose cubelet runs the gvisor runtime (runsc, systrap platform): the session's
     own when the suite runs on gvisor, else a second one."""
     if RUNTIME == "gvisor":
         yield request.getfixturevalue("cube")

@@ -1,5 +1,5 @@
 """The official e2b SDK against a Cube node on the gvisor runtime: every sandbox is a runsc
-sandbox (gVisor's user-space kernel, ptrace platform) over its own reflinked disk, in its own
+sandbox (gVisor's user-space kernel, systrap platform) over its own reflinked disk, in its own
 network namespace on cube-vs, taken from the pre-started pool."""
 
 import json
