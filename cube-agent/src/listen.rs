@@ -1,5 +1,11 @@
 //! The agent's one accept loop: envd (port 49983) and the code interpreter (49999) both serve
 //! HTTP/1.1 with keep-alive, one task per connection, from a handler of their own.
+//!
+//! Connections are accepted by a blocking `accept(2)` on a thread of its own, not through the
+//! runtime's epoll: gVisor before 2026 can restore a checkpoint in which an epoll interest of
+//! the listening socket never reports again (a wakeup that lands while the Sentry saves
+//! corrupts the ready list; gVisor #13920, #14147), and an agent restored that way accepts
+//! TCP handshakes but never answers. A blocking accept waits on the socket itself.
 
 use http::{Request, Response};
 use hyper::body::Incoming;
@@ -17,13 +23,22 @@ where
     B::Data: Send,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    loop {
-        let (stream, _peer) = match listener.accept().await {
-            Ok(x) => x,
+    let mut accepted = match accept_thread(listener, name) {
+        Ok(rx) => rx,
+        Err(e) => {
+            tracing::error!("{name}: cannot accept connections: {e}");
+            return;
+        }
+    };
+    while let Some(stream) = accepted.recv().await {
+        // Registered with the runtime now, after any restore.
+        let stream = match stream
+            .set_nonblocking(true)
+            .and_then(|()| tokio::net::TcpStream::from_std(stream))
+        {
+            Ok(s) => s,
             Err(e) => {
-                // EMFILE and friends: back off instead of spinning.
-                tracing::warn!("{name}: accept failed: {e}");
-                tokio::time::sleep(Duration::from_millis(50)).await;
+                tracing::warn!("{name}: taking an accepted connection: {e}");
                 continue;
             }
         };
@@ -41,6 +56,33 @@ where
             }
         });
     }
+}
+
+/// Accepts on a thread of its own (blocking) and hands each connection over.
+fn accept_thread(
+    listener: TcpListener,
+    name: &'static str,
+) -> std::io::Result<tokio::sync::mpsc::UnboundedReceiver<std::net::TcpStream>> {
+    let listener = listener.into_std()?;
+    listener.set_nonblocking(false)?;
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    std::thread::Builder::new()
+        .name(format!("{name}-accept"))
+        .spawn(move || loop {
+            match listener.accept() {
+                Ok((s, _)) => {
+                    if tx.send(s).is_err() {
+                        return;
+                    }
+                }
+                Err(e) => {
+                    // EMFILE and friends: back off instead of spinning.
+                    tracing::warn!("{name}: accept failed: {e}");
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            }
+        })?;
+    Ok(rx)
 }
 
 #[cfg(test)]

@@ -147,9 +147,10 @@ pub struct GvisorConfig {
     /// (0.0~20240729) on the PVM build machines, ptrace is faster (pool create 11.9 vs 14.8 ms,
     /// create + first command 47 vs 77 ms p50) and an idle ptrace sandbox costs ~0.2 % of a CPU
     /// where an idle systrap one keeps a 1 ms timer going and costs ~3.5 % (a 2-core host
-    /// saturates at ~130 idle systrap sandboxes); but 2 of 12 sandboxes restored from a
-    /// snapshot on ptrace came back with their agent wedged (gVisor #13920/#14147), against 0 of
-    /// 20 on systrap, so systrap stays the default until a wedged restore is retried.
+    /// saturates at ~130 idle systrap sandboxes); but on ptrace some snapshots restore with a
+    /// deaf agent (gVisor #14147: the saved epoll state is corrupt, so every restore of that
+    /// snapshot is deaf): 8 of 258 restores before the agent accepted on a blocking thread,
+    /// 1 of 200 after, against 0 of 100 on systrap, so systrap stays the default.
     pub platform: String,
     /// More runsc flags, before the command (e.g. "--debug").
     pub extra_args: Vec<String>,

@@ -591,6 +591,83 @@ async fn gvisor_pause_to_disk_stops_the_sandbox_and_survives_a_restart() {
     c.assert_clean();
 }
 
+/// Debian's runsc can save a checkpoint in which the epoll interest of the agent's listening
+/// socket never reports again, when a connection arrives while the Sentry saves (gVisor
+/// #14147): restored, such an agent completes TCP handshakes and never answers (on ptrace ~1
+/// restore in 30 before the agent accepted on a blocking thread). Snapshots taken while
+/// connections keep arriving, each restored into a new sandbox: every one answers, with the
+/// memory saved.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gvisor_snapshots_taken_under_connections_restore_answering() {
+    cube_testkit::require_priv!("cubelet::gvisor_restore_under_connections");
+    let mut c = Cubelet::new(
+        "grc",
+        Opts {
+            runtime: Some("gvisor"),
+            network_pool: 1,
+            ..Default::default()
+        },
+    );
+    let mut cl = c.start().await;
+    let sb = cl
+        .create_sandbox(create_req("csrc"))
+        .await
+        .unwrap()
+        .into_inner();
+    sh(&sb, "echo kept > /tmp/m").await;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let knockers: Vec<_> = (0..3)
+        .map(|_| {
+            let (stop, agent) = (stop.clone(), agent_for(&sb));
+            tokio::spawn(async move {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let _ = agent.wait_healthy(Duration::from_millis(300)).await;
+                }
+            })
+        })
+        .collect();
+    for i in 0..12 {
+        let template = format!("csnap{i}");
+        cl.snapshot_sandbox(pb::SnapshotSandboxRequest {
+            sandbox_id: "csrc".into(),
+            template: template.clone(),
+        })
+        .await
+        .unwrap_or_else(|e| panic!("snapshot {i}: {e:?}"));
+        let id = format!("cclone{i}");
+        let mut r = create_req(&id);
+        r.template = template.clone();
+        r.from_snapshot = true;
+        r.ready_timeout_ms = 5000;
+        let clone = cl
+            .create_sandbox(r)
+            .await
+            .unwrap_or_else(|e| panic!("restore {i} did not answer: {e:?}"))
+            .into_inner();
+        assert_eq!(sh(&clone, "cat /tmp/m").await.1, "kept\n", "restore {i}");
+        cl.kill_sandbox(pb::SandboxRef { sandbox_id: id })
+            .await
+            .unwrap();
+        cl.delete_template(pb::DeleteTemplateRequest {
+            name: template,
+            build: String::new(),
+        })
+        .await
+        .unwrap();
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for k in knockers {
+        k.await.unwrap();
+    }
+    cl.kill_sandbox(pb::SandboxRef {
+        sandbox_id: "csrc".into(),
+    })
+    .await
+    .unwrap();
+    c.stop();
+    c.assert_clean();
+}
+
 async fn restart_readopts(runtime: &'static str) {
     let mut c = Cubelet::new(
         if runtime == "gvisor" { "rsg" } else { "rst" },
