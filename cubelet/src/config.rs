@@ -150,7 +150,7 @@ pub struct GvisorConfig {
     /// saturates at ~130 idle systrap sandboxes); but on ptrace some snapshots restore with a
     /// deaf agent (gVisor #14147: the saved epoll state is corrupt, so every restore of that
     /// snapshot is deaf): 8 of 258 restores before the agent accepted on a blocking thread,
-    /// 1 of 200 after, against 0 of 100 on systrap, so systrap stays the default.
+    /// 2 of 296 after, against 0 of 100 on systrap, so systrap stays the default.
     pub platform: String,
     /// More runsc flags, before the command (e.g. "--debug").
     pub extra_args: Vec<String>,
