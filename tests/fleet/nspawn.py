@@ -123,18 +123,52 @@ def boot(name, base, binds=(), netns=None, uplink="10.251.0.1/24"):
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         env=dict(os.environ, SYSTEMD_NSPAWN_API_VFS_WRITABLE="1"), start_new_session=True)
 
-    def leader():
-        kids = run("pgrep", "-P", str(c.proc.pid), check=False).stdout.split()
-        return int(kids[0]) if kids else None
+    try:
+        c.leader = wait(lambda: leader(c.proc.pid), f"{name}: the container's PID 1", 30)
+        state = {}
 
-    c.leader = wait(leader, f"{name}: the container's PID 1", 30)
-    wait(lambda: c.sh("systemctl is-system-running", check=False).stdout.strip()
-         in ("running", "degraded"), f"{name}: systemd to finish booting", 120)
-    assert c.sh("cat /proc/1/comm").stdout.strip() == "systemd"
+        def booted():
+            r = c.sh("systemctl is-system-running", check=False)
+            state["last"] = (r.stdout + r.stderr).strip()
+            return state["last"] in ("running", "degraded")
+
+        try:
+            wait(booted, f"{name}: systemd to finish booting", 120)
+        except AssertionError as e:
+            jobs = c.sh("systemctl list-jobs --no-pager", check=False).stdout
+            raise AssertionError(f"{e}; systemctl is-system-running said {state.get('last')!r}; "
+                                 f"jobs:\n{jobs}\nconsole:\n{tail(log.name)}") from None
+        assert c.sh("cat /proc/1/comm").stdout.strip() == "systemd"
+    except BaseException:
+        # The caller never gets the container, so nothing else would stop it.
+        shutdown(c)
+        raise
     if not netns:
         c.sh(f"ip link add uplink0 type veth peer name uplink1 && ip addr add {uplink} dev "
              "uplink0 && ip link set uplink0 up && ip link set uplink1 up")
     return c
+
+
+def leader(nspawn_pid):
+    """The container's PID 1: the child of `nspawn_pid` in a PID namespace other than ours.
+    Not merely its first child: nspawn's short-lived outer child (in our PID namespace) shows
+    up there first, and a leader taken from it is gone a moment later."""
+    ours = os.readlink("/proc/self/ns/pid")
+    for kid in run("pgrep", "-P", str(nspawn_pid), check=False).stdout.split():
+        try:
+            if os.readlink(f"/proc/{kid}/ns/pid") != ours:
+                return int(kid)
+        except OSError:
+            pass
+    return None
+
+
+def tail(path, n=3000):
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()[-n:]
+    except OSError as e:
+        return str(e)
 
 
 def cgroup_pids(parent):
@@ -185,11 +219,12 @@ def shutdown(c):
         try:
             c.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            if c.leader:
-                try:
-                    os.kill(c.leader, signal.SIGKILL)
-                except OSError:
-                    pass
+            for pid in (c.leader, c.proc.pid):
+                if pid:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
             c.proc.wait(timeout=30)
     run("umount", "-l", c.root, check=False)
     shutil.rmtree(c.base, ignore_errors=True)
