@@ -123,6 +123,53 @@ mod tests {
         );
     }
 
+    /// Every object a request body describes, the body's own and those nested in it, says
+    /// `additionalProperties: false`: the handlers refuse a field they do not know (body.rs),
+    /// so a document that allowed one would describe requests that are refused.
+    #[test]
+    fn request_bodies_allow_no_unknown_fields() {
+        let doc: serde_json::Value = serde_json::from_str(DOCUMENT).expect("parses");
+        fn walk(doc: &serde_json::Value, s: &serde_json::Value, at: &str, seen: &mut usize) {
+            if let Some(r) = s["$ref"].as_str() {
+                let name = r.trim_start_matches("#/components/schemas/");
+                return walk(doc, &doc["components"]["schemas"][name], at, seen);
+            }
+            if let Some(props) = s["properties"].as_object() {
+                *seen += 1;
+                assert_eq!(
+                    s["additionalProperties"],
+                    serde_json::Value::Bool(false),
+                    "{at}: an object that takes fields must refuse unknown ones"
+                );
+                for (k, p) in props {
+                    walk(doc, p, &format!("{at}.{k}"), seen);
+                }
+            }
+            // Maps (`additionalProperties` or `patternProperties` as a schema) and lists; `anyOf`
+            // and `not` only constrain the fields above.
+            if s["additionalProperties"].is_object() {
+                walk(doc, &s["additionalProperties"], &format!("{at}.*"), seen);
+            }
+            for p in s["patternProperties"].as_object().into_iter().flatten() {
+                walk(doc, p.1, &format!("{at}.*"), seen);
+            }
+            if s["items"].is_object() {
+                walk(doc, &s["items"], &format!("{at}[]"), seen);
+            }
+        }
+        let mut seen = 0;
+        for (path, ops) in doc["paths"].as_object().expect("paths") {
+            for (m, op) in ops.as_object().expect("ops") {
+                let body = &op["requestBody"]["content"]["application/json"]["schema"];
+                if !body.is_null() {
+                    walk(&doc, body, &format!("{m} {path} body"), &mut seen);
+                }
+            }
+        }
+        // NewSandbox, its network and autoResume, the network update, secrets, ...
+        assert!(seen >= 15, "only {seen} objects found: the walk is broken");
+    }
+
     #[test]
     fn every_error_response_is_the_error_schema() {
         let doc: serde_json::Value = serde_json::from_str(DOCUMENT).expect("parses");

@@ -130,8 +130,11 @@ fn create_request(
         ));
     }
     let auto_pause = b.bool("autoPause")?.unwrap_or(false);
-    // Only with autoPause, as in E2B (the master refuses it with autoResume).
-    let auto_pause_filesystem = auto_pause && b.bool("autoPauseMemory")? == Some(false);
+    // Read with or without autoPause (E2B's field: the SDK's model may send it with autoPause
+    // false), but it only matters with autoPause, as in E2B (the master refuses it with
+    // autoResume).
+    let auto_pause_memory = b.bool("autoPauseMemory")?;
+    let auto_pause_filesystem = auto_pause && auto_pause_memory == Some(false);
     let auto_resume = match b.object("autoResume")? {
         None => false,
         Some(mut r) => {
@@ -584,6 +587,29 @@ mod tests {
         let r = req(r#"{"templateID":"base","autoPause":true,"autoPauseMemory":true,"autoResume":{"enabled":true},"allow_internet_access":false,"network":{"allowPublicTraffic":true,"allowOut":[]},"mcp":null}"#).unwrap();
         assert!(r.auto_pause && r.auto_resume && !r.private_ports);
         assert_eq!(r.allow_internet, Some(false));
+        // autoPauseMemory is E2B's and read with or without autoPause; it only matters with it.
+        for (body, filesystem) in [
+            (
+                r#"{"templateID":"base","autoPause":false,"autoPauseMemory":true}"#,
+                false,
+            ),
+            (r#"{"templateID":"base","autoPauseMemory":false}"#, false),
+            (
+                r#"{"templateID":"base","autoPause":null,"autoPauseMemory":null}"#,
+                false,
+            ),
+            (
+                r#"{"templateID":"base","autoPause":true,"autoPauseMemory":true}"#,
+                false,
+            ),
+            (
+                r#"{"templateID":"base","autoPause":true,"autoPauseMemory":false}"#,
+                true,
+            ),
+        ] {
+            let r = req(body).unwrap_or_else(|e| panic!("{body}: {e}"));
+            assert_eq!(r.auto_pause_filesystem, filesystem, "{body}");
+        }
         let p = req(r#"{"templateID":"base","network":{"allowPublicTraffic":false,"maskRequestHost":"localhost:${PORT}"}}"#).unwrap();
         assert!(p.private_ports);
         assert_eq!(p.mask_request_host, "localhost:${PORT}");
