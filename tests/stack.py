@@ -36,6 +36,23 @@ class StackError(Exception):
     pass
 
 
+def e2e_suite():
+    """tests/e2e/conftest.py as the module `e2e_stack`, loaded once: the suites that run on
+    tests/e2e's single-host Cube start it with that suite's own code, not a copy of it."""
+    import importlib.util
+    import sys
+
+    mod = sys.modules.get("e2e_stack")
+    if mod is None:
+        here = os.path.dirname(os.path.abspath(__file__))
+        spec = importlib.util.spec_from_file_location(
+            "e2e_stack", os.path.join(here, "e2e", "conftest.py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["e2e_stack"] = mod
+        spec.loader.exec_module(mod)
+    return mod
+
+
 def bin_path(name):
     d = os.environ.get("CUBE_BIN_DIR")
     if not d:

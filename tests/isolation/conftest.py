@@ -2,20 +2,17 @@
 names, `namespace` by default; its tiny template built from host binaries), started by that
 suite's own code, not a copy of it."""
 
-import importlib.util
 import json
 import os
 import subprocess
-import sys
 import urllib.request
 
 import pytest
 
+import stack
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-_spec = importlib.util.spec_from_file_location("e2e_stack", os.path.join(HERE, "..", "e2e", "conftest.py"))
-e2e = importlib.util.module_from_spec(_spec)
-sys.modules["e2e_stack"] = e2e
-_spec.loader.exec_module(e2e)
+e2e = stack.e2e_suite()
 TEMPLATE = e2e.TEMPLATE
 RUNTIME = e2e.RUNTIME
 

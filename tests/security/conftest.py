@@ -2,18 +2,15 @@
 CUBE_E2E_RUNTIME, `namespace` by default), started by that suite's own code, with a low per-address
 edge look-up limit so a flood is cheap to provoke, and one API key per team."""
 
-import importlib.util
 import os
 import subprocess
-import sys
 
 import pytest
 
+import stack
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-_spec = importlib.util.spec_from_file_location("e2e_stack", os.path.join(HERE, "..", "e2e", "conftest.py"))
-e2e = importlib.util.module_from_spec(_spec)
-sys.modules["e2e_stack"] = e2e
-_spec.loader.exec_module(e2e)
+e2e = stack.e2e_suite()
 TEMPLATE = e2e.TEMPLATE
 
 # Per client address: look-ups the edge cache cannot answer (see cube-api's [rate_limit]).
