@@ -10,11 +10,13 @@ Failures raise `StackError`; pytest fixtures turn it into a test failure.
 """
 
 import contextlib
+import importlib.util
 import os
 import re
 import shutil
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 
@@ -39,9 +41,6 @@ class StackError(Exception):
 def e2e_suite():
     """tests/e2e/conftest.py as the module `e2e_stack`, loaded once: the suites that run on
     tests/e2e's single-host Cube start it with that suite's own code, not a copy of it."""
-    import importlib.util
-    import sys
-
     mod = sys.modules.get("e2e_stack")
     if mod is None:
         here = os.path.dirname(os.path.abspath(__file__))

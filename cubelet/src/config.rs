@@ -147,10 +147,12 @@ pub struct GvisorConfig {
     /// (0.0~20240729) on the PVM build machines, ptrace is faster (pool create 11.9 vs 14.8 ms,
     /// create + first command 47 vs 77 ms p50) and an idle ptrace sandbox costs ~0.2 % of a CPU
     /// where an idle systrap one keeps a 1 ms timer going and costs ~3.5 % (a 2-core host
-    /// saturates at ~130 idle systrap sandboxes); but on ptrace some snapshots restore with a
-    /// deaf agent (gVisor #14147: the saved epoll state is corrupt, so every restore of that
-    /// snapshot is deaf): 8 of 258 restores before the agent accepted on a blocking thread,
-    /// 2 of 296 after, against 0 of 100 on systrap, so systrap stays the default.
+    /// saturates at ~130 idle systrap sandboxes); but on ptrace some restores come back with a
+    /// deaf agent (gVisor #14147 and kin): 8 of 258 before the agent accepted on a blocking
+    /// thread, 2 of 296 after, none of 100 on systrap. Whether a restore is deaf depends on
+    /// timing as well as on the image (immediate retries of one image stayed deaf, a retry
+    /// 15 s later answered), so checking each snapshot by restoring it at once rejected good
+    /// ones; systrap stays the default.
     pub platform: String,
     /// More runsc flags, before the command (e.g. "--debug").
     pub extra_args: Vec<String>,
